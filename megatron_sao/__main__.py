@@ -1,0 +1,3 @@
+from megatron_sao.cli import main
+
+raise SystemExit(main())

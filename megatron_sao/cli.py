@@ -1,0 +1,79 @@
+"""`python -m megatron_sao <command>`: the project's command line (each command lives with what it runs).
+
+config show FILE [--section.key VALUE ...]   print the resolved config tree
+config check FILE [...]                      validate only (exit 2 with the errors)
+platform                                     list the CPU platform patches and whether they apply here
+smoke                                        build and train a tiny megatron-core MoE model for a few steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {}
+
+
+def command(name: str) -> Callable[[Callable[[argparse.Namespace, list[str]], int]], Callable[..., int]]:
+    def deco(fn: Callable[[argparse.Namespace, list[str]], int]) -> Callable[..., int]:
+        COMMANDS[name] = fn
+        return fn
+
+    return deco
+
+
+@command("config")
+def _config(ns: argparse.Namespace, rest: list[str]) -> int:
+    from megatron_sao.config import ConfigError, config_to_yaml, load_config
+
+    p = argparse.ArgumentParser(prog="python -m megatron_sao config")
+    p.add_argument("action", choices=["show", "check"])
+    p.add_argument("file", nargs="?", help="YAML or TOML config; omit for the defaults")
+    args, overrides = p.parse_known_args(rest)
+    try:
+        cfg = load_config(args.file, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.action == "show":
+        print(config_to_yaml(cfg), end="")
+    else:
+        print(f"{args.file or 'defaults'}: ok")
+    return 0
+
+
+@command("platform")
+def _platform(ns: argparse.Namespace, rest: list[str]) -> int:
+    import torch
+
+    from megatron_sao.platform import CHECKED_MEGATRON_VERSIONS, describe_patches, megatron_version
+
+    cuda = torch.cuda.is_available()
+    print(f"torch {torch.__version__}, CUDA {'available' if cuda else 'absent'}, megatron-core {megatron_version()}")
+    print(f"CPU platform layer: {'inactive (GPU run)' if cuda else 'active'}; checked on {CHECKED_MEGATRON_VERSIONS}")
+    for patch in describe_patches():
+        print(f"\n- {patch.name} (checked on {', '.join(patch.checked_on)})")
+        print(f"  works around: {patch.works_around}")
+        print(f"  why: {patch.why}")
+    return 0
+
+
+@command("smoke")
+def _smoke(ns: argparse.Namespace, rest: list[str]) -> int:
+    from megatron_sao.smoke import main as smoke_main
+
+    return smoke_main(rest)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_sao", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("command", choices=sorted(COMMANDS))
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    ns = parser.parse_args(argv[:1])
+    return COMMANDS[ns.command](ns, argv[1:])

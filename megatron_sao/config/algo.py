@@ -1,0 +1,97 @@
+"""`algo` section: SAO hyperparameters and the baselines kept in the same framework.
+
+Defaults are the paper's (../docs/algorithm.md lists each with its source); `[unstated]` choices are ours.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from megatron_sao.config.base import Section
+
+
+class DISConfig(Section):
+    """Direct double-sided importance sampling: mask (never clip) tokens whose ratio leaves the band."""
+
+    eps_low: float = Field(default=0.3, ge=0.0, le=1.0)
+    """Lower band edge: tokens with r <= 1 - eps_low get no gradient (paper 0.3; coding 0.8)."""
+
+    eps_high: float = Field(default=5.0, gt=0.0)
+    """Upper band edge: tokens with r >= 1 + eps_high get no gradient (paper 5.0; coding 3.0)."""
+
+
+class GAEConfig(Section):
+    gamma: float = Field(default=1.0, ge=0.0, le=1.0)
+    """Discount over action tokens [unstated; 1.0]."""
+
+    alpha: float = Field(default=1.5, gt=0.0)
+    """Length-adaptive GAE: lambda_policy = 1 - 1/(alpha * l), l = action tokens of the trajectory."""
+
+    lambda_policy: float | None = Field(default=None, ge=0.0, le=1.0)
+    """Fixed lambda for the policy advantages; None uses the length-adaptive rule."""
+
+    lambda_critic: float = Field(default=1.0, ge=0.0, le=1.0)
+    """Lambda for the critic's value targets (paper: 1)."""
+
+    whiten_advantages: bool = False
+    """Normalize advantages over the step's action tokens (the paper does not)."""
+
+
+class ValueConfig(Section):
+    updates_per_policy_step: int = Field(default=2, ge=0)
+    """K: value-model optimizer steps per policy step, on the same trajectories (TTUR; paper 2)."""
+
+    clip: float | None = Field(default=0.2, gt=0.0)
+    """PPO value clip around the values seen at the start of the step; None disables clipping."""
+
+    pretrain_samples: int = Field(default=0, ge=0)
+    """Critic-only warm-up on rollouts of the frozen initial policy, in trajectories (paper: 6000)."""
+
+
+class GRPOConfig(Section):
+    group_size: int = Field(default=8, ge=2)
+    """G rollouts per prompt."""
+
+    normalize_std: bool = True
+    """Divide group-centred rewards by the group's std."""
+
+    policy_loss: Literal["dis", "ppo_clip"] = "dis"
+    """Policy loss of the GRPO arm."""
+
+    clip_eps: float = Field(default=0.2, gt=0.0)
+    """PPO clip range when policy_loss = ppo_clip."""
+
+
+class RunningMeanConfig(Section):
+    window: int = Field(default=8, ge=1)
+    """Number of most recent rewards averaged into the single-rollout baseline."""
+
+
+class AlgoConfig(Section):
+    name: Literal["sao", "grpo", "running_mean"] = "sao"
+    """sao: critic + DIS; grpo: group baseline; running_mean: single rollout with a running-mean baseline."""
+
+    dis: DISConfig = Field(default_factory=DISConfig)
+    gae: GAEConfig = Field(default_factory=GAEConfig)
+    value: ValueConfig = Field(default_factory=ValueConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    running_mean: RunningMeanConfig = Field(default_factory=RunningMeanConfig)
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.name == "sao"
+
+    @property
+    def rollouts_per_prompt(self) -> int:
+        return self.grpo.group_size if self.name == "grpo" else 1
+
+    @model_validator(mode="after")
+    def _check(self) -> AlgoConfig:
+        if self.name == "sao" and self.value.updates_per_policy_step == 0:
+            raise ValueError(
+                "algo.value.updates_per_policy_step=0 leaves the SAO critic untrained; use >= 1 (paper: 2) "
+                "or pick algo.name=running_mean for a critic-free arm"
+            )
+        return self

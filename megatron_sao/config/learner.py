@@ -1,0 +1,92 @@
+"""`learner` section: optimizer roles, micro-batching, step size, checkpoints of the megatron learner."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from megatron_sao.config.base import Section
+
+
+class RoleOptimConfig(Section):
+    """Optimizer, schedule and trainable set of one role (policy or value)."""
+
+    lr: float = Field(gt=0.0)
+    """Peak learning rate."""
+
+    min_lr: float = Field(default=0.0, ge=0.0)
+    """Final learning rate of a decaying schedule."""
+
+    warmup_steps: int = Field(default=0, ge=0)
+    """Linear warm-up, in optimizer steps of this role."""
+
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Decay after warm-up, over learner.max_steps."""
+
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    adam_beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
+    adam_beta2: float = Field(default=0.999, ge=0.0, lt=1.0)
+    adam_eps: float = Field(default=1e-8, gt=0.0)
+
+    clip_grad: float = Field(default=1.0, ge=0.0)
+    """Global gradient-norm clip (0 disables)."""
+
+    trainable: list[str] = Field(default_factory=lambda: ["*"])
+    """fnmatch patterns over megatron parameter names; a parameter trains when it matches one of them..."""
+
+    frozen: list[str] = Field(default_factory=list)
+    """...and none of these."""
+
+
+def _default_value_role() -> RoleOptimConfig:
+    # SAO freezes the critic's attention; experts, shared experts and the value head train.
+    return RoleOptimConfig(
+        lr=5e-6,
+        warmup_steps=10,
+        trainable=["*.mlp.experts.*", "*.mlp.shared_experts.*", "value_head.*"],
+        frozen=["*.self_attention.*", "*.router.*", "*norm*", "embedding.*"],
+    )
+
+
+class LearnerConfig(Section):
+    trajectories_per_step: int = Field(default=128, ge=1)
+    """Finished trajectories consumed by one learner step (paper 128; 1 is the pure per-rollout limit)."""
+
+    max_tokens_per_microbatch: int = Field(default=16384, gt=0)
+    """Token budget of one packed micro-batch; trajectories are packed greedily up to it."""
+
+    max_steps: int = Field(default=1000, ge=1)
+    """Policy steps to run (also the horizon of decaying LR schedules)."""
+
+    policy: RoleOptimConfig = Field(default_factory=lambda: RoleOptimConfig(lr=1e-6))
+    value: RoleOptimConfig = Field(default_factory=_default_value_role)
+
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (megatron DistributedOptimizer)."""
+
+    moe_aux_loss_coeff: float = Field(default=0.0, ge=0.0)
+    """Load-balancing auxiliary loss weight added to the policy loss (logged either way)."""
+
+    value_on_separate_ranks: bool = False
+    """Place the value model on its own ranks instead of sharing the policy's (default: shared)."""
+
+    save_dir: str | None = None
+    """Directory for distributed checkpoints; None disables saving."""
+
+    save_interval: int = Field(default=50, ge=1)
+    """Policy steps between checkpoints."""
+
+    load: str | None = None
+    """Checkpoint directory to resume from (any TP/EP/PP layout)."""
+
+    seed: int = 1234
+    """Seed for parameter init, dropout and data order."""
+
+    @model_validator(mode="after")
+    def _check(self) -> LearnerConfig:
+        for role in ("policy", "value"):
+            r: RoleOptimConfig = getattr(self, role)
+            if r.min_lr > r.lr:
+                raise ValueError(f"learner.{role}.min_lr={r.min_lr} exceeds learner.{role}.lr={r.lr}; lower min_lr")
+        return self

@@ -1,0 +1,66 @@
+"""`model` section: which network the learner trains and the engines serve."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from megatron_sao.config.base import Section
+
+ModelFamily = Literal["qwen3_moe", "glm4_moe", "glm_moe_dsa"]
+
+
+class ModelConfig(Section):
+    hf_path: str | None = None
+    """Hugging Face model directory (config.json, safetensors, tokenizer). Engines serve it; the learner
+    builds its megatron-core model from its config.json and loads its weights unless `learner.load` is set."""
+
+    family: ModelFamily | None = None
+    """Model family; None reads it from config.json's `model_type`."""
+
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    """Parameter and compute dtype of the learner (bf16 on GPU; fp32 is exact on CPU)."""
+
+    hf_overrides: dict[str, Any] = Field(default_factory=dict)
+    """Keys that replace config.json values before the model is built (e.g. {"num_hidden_layers": 2})."""
+
+    num_experts: int | None = None
+    """Routed experts per MoE layer. None reads it from config.json; set it to validate parallel.expert
+    without a model directory."""
+
+    max_seq_len: int = Field(default=4096, gt=0)
+    """Longest packed sequence (prompt + all turns) the learner accepts, in tokens."""
+
+    use_dsa_indexer: bool = False
+    """glm_moe_dsa only: run the DeepSeek sparse-attention indexer. Off: dense MLA (see docs/models.md)."""
+
+    @field_validator("hf_path")
+    @classmethod
+    def _expand(cls, v: str | None) -> str | None:
+        return None if v is None else str(Path(v).expanduser())
+
+    def hf_config_dict(self) -> dict[str, Any] | None:
+        """config.json of `hf_path` with `hf_overrides` applied, or None when there is no readable file."""
+        if self.hf_path is None:
+            return None
+        path = Path(self.hf_path) / "config.json"
+        if not path.is_file():
+            return None
+        cfg = json.loads(path.read_text())
+        cfg.update(self.hf_overrides)
+        return cfg
+
+    def resolved_num_experts(self) -> int | None:
+        """Routed expert count: explicit `num_experts`, else config.json, else None (unknown)."""
+        if self.num_experts is not None:
+            return self.num_experts
+        cfg = self.hf_config_dict()
+        if cfg is None:
+            return None
+        for key in ("num_experts", "n_routed_experts", "num_local_experts"):
+            if cfg.get(key):
+                return int(cfg[key])
+        return None

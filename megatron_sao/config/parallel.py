@@ -1,0 +1,76 @@
+"""`parallel` section: megatron-core model-parallel sizes of the learner. DP is derived from the world size."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from megatron_sao.config.base import Section
+
+
+class ParallelConfig(Section):
+    tensor: int = Field(default=1, ge=1)
+    """Tensor-parallel size (TP)."""
+
+    pipeline: int = Field(default=1, ge=1)
+    """Pipeline-parallel size (PP)."""
+
+    virtual_pipeline: int | None = Field(default=None, ge=1)
+    """Virtual pipeline stages per PP rank (interleaved 1F1B); None disables interleaving."""
+
+    context: int = Field(default=1, ge=1)
+    """Context-parallel size (CP)."""
+
+    expert: int = Field(default=1, ge=1)
+    """Expert-parallel size (EP). Must divide the routed-expert count."""
+
+    expert_tensor: int | None = Field(default=None, ge=1)
+    """Tensor-parallel size inside each expert (ETP); None uses `tensor` (megatron's default)."""
+
+    sequence_parallel: bool | None = None
+    """Sequence parallelism; None turns it on whenever tensor > 1 (megatron requires it for MoE + TP)."""
+
+    @property
+    def model_parallel_size(self) -> int:
+        """TP * PP * CP: ranks that hold one copy of the dense part of the model."""
+        return self.tensor * self.pipeline * self.context
+
+    @property
+    def use_sequence_parallel(self) -> bool:
+        return self.tensor > 1 if self.sequence_parallel is None else self.sequence_parallel
+
+    @property
+    def resolved_expert_tensor(self) -> int:
+        return self.tensor if self.expert_tensor is None else self.expert_tensor
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """DP for `world_size` ranks; raises ValueError naming the fix when the sizes do not fit."""
+        self.check_world_size(world_size)
+        return world_size // self.model_parallel_size
+
+    def check_world_size(self, world_size: int) -> None:
+        """The one place that says whether `world_size` ranks can hold this layout."""
+        mp = self.model_parallel_size
+        if world_size % mp:
+            raise ValueError(
+                f"world size {world_size} is not divisible by parallel.tensor * parallel.pipeline * "
+                f"parallel.context = {self.tensor}*{self.pipeline}*{self.context} = {mp}; "
+                f"choose sizes whose product divides {world_size}, or change the number of learner ranks "
+                f"(launch.nnodes * launch.nproc_per_node)"
+            )
+        expert_mp = self.expert * self.resolved_expert_tensor * self.pipeline
+        if world_size % expert_mp:
+            raise ValueError(
+                f"world size {world_size} is not divisible by parallel.expert * parallel.expert_tensor * "
+                f"parallel.pipeline = {self.expert}*{self.resolved_expert_tensor}*{self.pipeline} = {expert_mp}; "
+                f"lower parallel.expert or parallel.expert_tensor"
+            )
+        if self.sequence_parallel and self.tensor == 1:
+            raise ValueError("parallel.sequence_parallel=true needs parallel.tensor > 1; set it to null or false")
+
+    def check_num_experts(self, num_experts: int) -> None:
+        if num_experts % self.expert:
+            divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+            raise ValueError(
+                f"parallel.expert={self.expert} does not divide the model's {num_experts} routed experts; "
+                f"use one of {divisors[:12]}"
+            )

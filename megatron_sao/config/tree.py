@@ -1,0 +1,42 @@
+"""The root of the config tree and the checks that span sections. One source of truth for every setting."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from megatron_sao.config.algo import AlgoConfig
+from megatron_sao.config.base import Section
+from megatron_sao.config.bus import BusConfig
+from megatron_sao.config.launch import LaunchConfig
+from megatron_sao.config.learner import LearnerConfig
+from megatron_sao.config.model import ModelConfig
+from megatron_sao.config.parallel import ParallelConfig
+from megatron_sao.config.rollout import RolloutConfig
+from megatron_sao.config.weight_sync import WeightSyncConfig
+
+
+class SAOConfig(Section):
+    """Everything one SAO run needs; `python -m megatron_sao config show FILE` prints the resolved tree."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    bus: BusConfig = Field(default_factory=BusConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
+
+    @model_validator(mode="after")
+    def _check_across_sections(self) -> SAOConfig:
+        self.parallel.check_world_size(self.launch.learner_world_size)
+        num_experts = self.model.resolved_num_experts()
+        if num_experts is not None:
+            self.parallel.check_num_experts(num_experts)
+        if self.rollout.max_total_tokens > self.model.max_seq_len:
+            raise ValueError(
+                f"rollout.max_total_tokens={self.rollout.max_total_tokens} exceeds model.max_seq_len="
+                f"{self.model.max_seq_len}; the learner could not take such episodes: raise model.max_seq_len "
+                f"or lower rollout.max_total_tokens"
+            )
+        return self

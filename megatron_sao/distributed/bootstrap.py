@@ -1,0 +1,131 @@
+"""The one distributed bootstrap every entry point uses (learner, tools, tests, benchmarks).
+
+Reads the rank layout from torchrun or Slurm variables, activates the platform layer (CPU patches only when
+there is no CUDA), initializes torch.distributed (nccl on GPU, gloo on CPU) and megatron's parallel state
+(TP, PP, virtual PP, CP, EP, expert-TP; DP derived) from `ParallelConfig`, and seeds every RNG.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_sao.config.parallel import ParallelConfig
+from megatron_sao.platform import activate
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process sits. Sizes are megatron's; `dp` is derived from the world size."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    etp: int
+    dp: int
+    vpp: int | None
+    sequence_parallel: bool
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _launch_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun, else Slurm, else a single process."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0"))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+        if world > 1 and "MASTER_ADDR" not in env:
+            raise RuntimeError(
+                "Slurm launch without MASTER_ADDR: export MASTER_ADDR=<first node of $SLURM_JOB_NODELIST> and "
+                "MASTER_PORT before srun (launch.sh does this)"
+            )
+        return rank, world, int(env.get("SLURM_LOCALID", "0"))
+    return 0, 1, 0
+
+
+def seed_everything(seed: int, pp_rank: int = 0) -> None:
+    """Seed python, numpy, torch and megatron's model-parallel RNG tracker the way megatron's trainer does
+    (an offset per pipeline stage; TP/EP-specific streams come from the tracker)."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    stage_seed = seed + 100 * pp_rank
+    random.seed(stage_seed)
+    np.random.seed(stage_seed % (2**32))
+    torch.manual_seed(stage_seed)
+    model_parallel_cuda_manual_seed(stage_seed)
+
+
+def init_distributed(parallel: ParallelConfig, seed: int = 1234, timeout_s: float = 600.0) -> DistContext:
+    """Initialize the process group and megatron parallel state; safe to call once per process."""
+    rank, world_size, local_rank = _launch_env()
+    platform = activate(local_rank)
+    parallel.check_world_size(world_size)
+    if platform.dist_backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            if world_size > 1:
+                raise RuntimeError("MASTER_PORT is not set; launch with torchrun or export MASTER_ADDR/MASTER_PORT")
+            from megatron_sao.distributed.spawn import find_free_port
+
+            os.environ["MASTER_PORT"] = str(find_free_port())
+        dist.init_process_group(
+            backend=platform.dist_backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
+
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=parallel.tensor,
+            pipeline_model_parallel_size=parallel.pipeline,
+            virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
+            context_parallel_size=parallel.context,
+            expert_model_parallel_size=parallel.expert,
+            expert_tensor_parallel_size=parallel.resolved_expert_tensor,
+            distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+        )
+    seed_everything(seed, ps.get_pipeline_model_parallel_rank())
+    return DistContext(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        device=platform.device,
+        backend=platform.dist_backend,
+        tp=parallel.tensor,
+        pp=parallel.pipeline,
+        cp=parallel.context,
+        ep=parallel.expert,
+        etp=parallel.resolved_expert_tensor,
+        dp=parallel.data_parallel_size(world_size),
+        vpp=parallel.virtual_pipeline,
+        sequence_parallel=parallel.use_sequence_parallel,
+    )
+
+
+def destroy_distributed() -> None:
+    """Tear down megatron parallel state and the process group (tests call this between layouts)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,170 @@
+"""Run a function on N local torch.distributed ranks (gloo on CPU): tests, tools/check_parity.py, benchmarks.
+
+`spawn_ranks(fn, 2, ...)` starts fresh processes on a free port, one thread each, captures each rank's
+output (Python and C level) to a log, enforces a timeout (dumping every rank's stack first), tears
+everything down, and on failure raises `RankFailure` carrying the failing rank's traceback and log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+
+class RankFailure(RuntimeError):
+    """A spawned rank raised, crashed or timed out; the message holds its traceback and output."""
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _environ(updates: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    log_path: str,
+    results: Any,
+    threads: int,
+    dump_after_s: float,
+) -> None:
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - lives as long as the process
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    faulthandler.dump_traceback_later(dump_after_s, exit=False)
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        value = fn(*args, **kwargs)
+    except BaseException:  # reported to the parent with the traceback, then the rank exits non-zero
+        tb = traceback.format_exc()
+        print(tb, file=sys.stderr, flush=True)
+        results.put((rank, False, tb))
+        sys.stdout.flush()
+        os._exit(1)
+    faulthandler.cancel_dump_traceback_later()
+    results.put((rank, True, value))
+
+
+def _tail(path: Path, lines: int = 60) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "<no output>"
+    return "\n".join(text[-lines:]) or "<no output>"
+
+
+def spawn_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 300.0,
+    threads_per_rank: int = 1,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Call `fn(*args, **kwargs)` on `world_size` fresh processes with RANK/WORLD_SIZE/MASTER_* set.
+
+    `fn` must be importable (a module-level function). Returns the per-rank return values, rank order.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = find_free_port()
+    logdir = Path(tempfile.mkdtemp(prefix="sao_ranks_"))
+    procs: list[Any] = []
+    common = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(world_size),
+        "OMP_NUM_THREADS": str(threads_per_rank),
+        "PYTHONUNBUFFERED": "1",
+        **(env or {}),
+    }
+    try:
+        for rank in range(world_size):
+            with _environ({**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}):
+                p = ctx.Process(
+                    target=_rank_main,
+                    args=(
+                        fn,
+                        rank,
+                        args,
+                        kwargs,
+                        str(logdir / f"rank{rank}.log"),
+                        results,
+                        threads_per_rank,
+                        max(1.0, timeout_s - 5.0),
+                    ),
+                    name=f"rank{rank}",
+                )
+                p.start()
+            procs.append(p)
+        return _collect(procs, results, logdir, timeout_s)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=10)
+
+
+def _collect(procs: list[Any], results: Any, logdir: Path, timeout_s: float) -> list[Any]:
+    world_size = len(procs)
+    values: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    failure: tuple[int, str, float] | None = None  # (rank, traceback or reason, when)
+    while len(values) < world_size:
+        with contextlib.suppress(queue.Empty):
+            rank, ok, value = results.get(timeout=0.2)
+            if ok:
+                values[rank] = value
+            elif failure is None:
+                failure = (rank, value, time.monotonic())
+        for rank, p in enumerate(procs):
+            if failure is None and p.exitcode not in (None, 0) and rank not in values:
+                failure = (rank, f"rank {rank} exited with code {p.exitcode} (crash or kill)", time.monotonic())
+        now = time.monotonic()
+        if failure is not None:
+            rank, reason, since = failure
+            # Give the failing rank's own traceback a moment to arrive, then stop the others.
+            if now - since > 5.0 or not any(p.is_alive() for p in procs):
+                output = _tail(logdir / f"rank{rank}.log")
+                raise RankFailure(f"rank {rank} of {world_size} failed:\n{reason}\n--- its output ---\n{output}")
+        if now > deadline:
+            pending = [r for r in range(world_size) if r not in values]
+            time.sleep(6.0)  # faulthandler dumps the stuck ranks' stacks into their logs
+            logs = "\n".join(f"--- rank {r} output ---\n{_tail(logdir / f'rank{r}.log')}" for r in pending)
+            raise RankFailure(f"ranks {pending} of {world_size} did not finish within {timeout_s:.0f}s\n{logs}")
+    for p in procs:
+        p.join(timeout=30)
+    return [values[r] for r in range(world_size)]

@@ -1,0 +1,89 @@
+"""The CPU platform layer: lets the real megatron-core code paths run on a CPU-only machine with gloo.
+
+`activate()` is called by distributed.bootstrap (and by tools that build megatron models) before any
+megatron model or optimizer exists. With CUDA available it does nothing at all: GPU runs use megatron-core
+unpatched. Without CUDA it applies every patch in `PATCHES` (see `python -m megatron_sao platform`), each of
+which names the megatron-core function it works around, why, and the versions it was checked on.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from megatron_sao.platform.registry import PATCHES, Patch
+
+CHECKED_MEGATRON_VERSIONS = ("0.16.1",)
+"""megatron-core releases the CPU layer was checked on (tests/platform/ on gloo)."""
+
+logger = logging.getLogger(__name__)
+
+if not torch.cuda.is_available():
+    # Expected on the CPU path; megatron-core prints it once per module that falls back.
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning)
+
+
+class UntestedMegatronWarning(UserWarning):
+    """The installed megatron-core release was not checked with the CPU platform layer."""
+
+
+@dataclass(frozen=True)
+class PlatformInfo:
+    device: torch.device
+    """cuda:<local rank> or cpu."""
+    dist_backend: str
+    """nccl on GPU, gloo on CPU."""
+    cpu_layer_active: bool
+    megatron_version: str
+    applied: tuple[str, ...]
+    """Names of the patches applied in this process (empty on GPU)."""
+
+
+_applied: list[str] = []
+
+
+def megatron_version() -> str:
+    from megatron.core import package_info
+
+    return package_info.__version__
+
+
+def cpu_layer_active() -> bool:
+    return bool(_applied)
+
+
+def activate(local_rank: int = 0) -> PlatformInfo:
+    """Pick the device and backend; on a CPU-only machine install the CPU layer (idempotent)."""
+    version = megatron_version()
+    if torch.cuda.is_available() and not _applied:
+        return PlatformInfo(torch.device("cuda", local_rank), "nccl", False, version, ())
+    if not _applied:
+        if version not in CHECKED_MEGATRON_VERSIONS:
+            warnings.warn(
+                f"megatron-core {version} was not checked with megatron_sao's CPU platform layer (checked: "
+                f"{', '.join(CHECKED_MEGATRON_VERSIONS)}); run tests/platform to see whether every patch still "
+                f"applies, or install megatron-core=={CHECKED_MEGATRON_VERSIONS[-1]}",
+                UntestedMegatronWarning,
+                stacklevel=2,
+            )
+        # Importing the modules registers their patches in order.
+        from megatron_sao.platform import cpu_megatron, cpu_torch  # noqa: F401
+
+        for patch in PATCHES:
+            patch.apply()
+            _applied.append(patch.name)
+        logger.debug("CPU platform layer active: %s", ", ".join(_applied))
+    return PlatformInfo(torch.device("cpu"), "gloo", True, version, tuple(_applied))
+
+
+def describe_patches() -> list[Patch]:
+    """Every patch of the CPU layer (importing them registers them; nothing is applied)."""
+    from megatron_sao.platform import cpu_megatron, cpu_torch  # noqa: F401
+
+    return list(PATCHES)
+
+
+__all__ = ["CHECKED_MEGATRON_VERSIONS", "PlatformInfo", "UntestedMegatronWarning", "activate", "describe_patches"]

@@ -1,0 +1,166 @@
+"""Fixes for megatron-core functions that fail (or silently misbehave) without CUDA, Transformer Engine and apex.
+
+Each `@register` names the function, the failure and the versions checked; tests/platform/ proves each one
+(MoE with TP+SP, EP, PP, DDP + distributed optimizer, bit-exact dist_checkpointing resume on gloo).
+Only platform.activate() imports this module, and only on a machine without CUDA.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing as mp
+from typing import Any
+
+import torch
+
+from megatron_sao.platform.registry import register
+
+
+@register(
+    "jit-fuser-off",
+    works_around="megatron.core.jit.jit_fuser (torch.compile on torch >= 2.2), which decorates fused kernels of "
+    "modules imported after activation (e.g. fusions.fused_cross_entropy)",
+    why="on CPU torch.compile would invoke inductor and a C++ toolchain at the first call of each fused function; "
+    "the CPU path turns the fusion flags off and uses the eager functions",
+)
+def patch_jit_fuser() -> None:
+    from megatron.core import jit
+
+    jit.disable_jit_fuser()
+
+
+@register(
+    "moe-te-general-gemm-name",
+    works_around="megatron.core.transformer.moe.moe_utils.RouterGatingLinearFunction.forward",
+    why="'NameError: name te_general_gemm is not defined' when Transformer Engine is absent (the import fallback "
+    "never binds the name)",
+)
+def patch_te_general_gemm() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+@register(
+    "torch-norm-sequence-parallel",
+    works_around="megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__",
+    why="'AssertionError: sequence parallel not supported by torch LayerNorm'; megatron requires sequence "
+    "parallelism for MoE + TP. The torch norm is built anyway and its parameters are tagged sequence_parallel "
+    "so finalize_model_grads all-reduces their gradients over TP, which is what the TE/apex norms do",
+)
+def patch_torch_norm_sequence_parallel() -> None:
+    from megatron.core.transformer import torch_norm
+
+    original = torch_norm.WrappedTorchNorm.__new__
+    if getattr(original, "_megatron_sao", False):
+        return
+
+    def new(cls: type, config: Any, hidden_size: int, eps: float = 1e-5, *args: Any, **kwargs: Any) -> Any:
+        if not config.sequence_parallel:
+            return original(cls, config, hidden_size, eps, *args, **kwargs)
+        object.__setattr__(config, "sequence_parallel", False)
+        try:
+            norm = original(cls, config, hidden_size, eps, *args, **kwargs)
+        finally:
+            object.__setattr__(config, "sequence_parallel", True)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+    new._megatron_sao = True  # type: ignore[attr-defined]
+    torch_norm.WrappedTorchNorm.__new__ = new  # type: ignore[method-assign]
+
+
+@register(
+    "moe-split-sizes-to-host",
+    works_around="megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu (used by "
+    "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize)",
+    why="'TypeError: all_to_all_single(): incompatible function arguments' at EP>1: upstream converts the split "
+    "sizes to numpy only for CUDA tensors, so CPU split sizes stay tensors",
+)
+def patch_split_sizes_to_host() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if torch.is_tensor(tensor) and as_numpy:
+            return tensor.detach().cpu().numpy()
+        return tensor
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+@register(
+    "checkpoint-results-queue",
+    works_around="megatron.core.dist_checkpointing.strategies.filesystem_async._get_write_results_queue",
+    why="a synchronous torch_dist save starts a 'spawn' multiprocessing Manager: ~8 s per process, and it "
+    "re-imports __main__ (hangs scripts without a main guard). A fork-context queue serves synchronous saves, "
+    "the only kind the CPU path makes",
+)
+def patch_checkpoint_results_queue() -> None:
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue_holder: dict[str, Any] = {}
+
+    def get_write_results_queue() -> Any:
+        if "q" not in queue_holder:
+            queue_holder["q"] = mp.get_context("fork").Queue()
+        return queue_holder["q"]
+
+    filesystem_async._get_write_results_queue = get_write_results_queue
+
+
+def _restore_adam_steps(dist_opt: Any) -> None:
+    """Give every torch-Adam parameter state the step count stored in its param group.
+
+    Without apex/TE, DistributedOptimizer keeps the iteration in param_group["step"] in checkpoints, but the
+    dp_reshardable load copies each parameter's "step" from the dummy state made before loading (1), so the
+    next update used the wrong bias correction (silently: exp_avg/exp_avg_sq/params are exact).
+    """
+    inner = dist_opt.optimizer
+    for group in inner.param_groups:
+        if group.get("step") is None:
+            continue
+        step = torch.tensor(float(group["step"]), dtype=torch.float32)
+        for p in group["params"]:
+            state = inner.state.get(p)
+            if state is not None and "step" in state:
+                state["step"] = step.clone()
+
+
+@register(
+    "distopt-load-torch-adam",
+    works_around="megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.sharded_state_dict "
+    "(is_loading=True) and DistributedOptimizer.load_state_dict, with torch.optim.Adam (no apex/TE)",
+    why="(1) 'AssertionError' at 'assert len(steps) == 1' in state_dict(): a fresh torch Adam has no state, so "
+    "dummy state is made first; (2) 'a view of a leaf Variable that requires grad is being used in an in-place "
+    "operation' (fp32 main params are views of model params), so the load runs under no_grad; (3) SILENT: after "
+    "a dp_reshardable load every per-parameter Adam 'step' is 1 instead of the saved iteration, so the next "
+    "update differs from an uninterrupted run; the saved step is restored",
+)
+def patch_distributed_optimizer_load() -> None:
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    cls = dopt.DistributedOptimizer
+    if getattr(cls.load_state_dict, "_megatron_sao", False) or dopt.HAVE_APEX_OR_TE:
+        return
+    original_sharded_state_dict = cls.sharded_state_dict
+    original_load_state_dict = cls.load_state_dict
+
+    @functools.wraps(original_sharded_state_dict)
+    def sharded_state_dict(self: Any, *args: Any, is_loading: bool = False, **kwargs: Any) -> Any:
+        if is_loading and len(self.optimizer.state) == 0:
+            self._init_optimizer_states_with_dummy_values()
+        return original_sharded_state_dict(self, *args, is_loading=is_loading, **kwargs)
+
+    @functools.wraps(original_load_state_dict)
+    def load_state_dict(self: Any, state_dict: Any) -> Any:
+        with torch.no_grad():
+            out = original_load_state_dict(self, state_dict)
+        _restore_adam_steps(self)
+        return out
+
+    load_state_dict._megatron_sao = True  # type: ignore[attr-defined]
+    cls.sharded_state_dict = sharded_state_dict
+    cls.load_state_dict = load_state_dict
