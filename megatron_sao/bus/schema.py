@@ -1,0 +1,116 @@
+"""Wire schema of the trajectory bus: the one definition of what a finished trajectory is.
+
+Producers (rollout workers) build `Trajectory` objects; the bus codec sends the `TrajectoryHeader` as msgpack
+plus each per-token array as its own zero-copy frame; the learner receives `Trajectory` objects back.
+Every per-token array has the same length T = len(tokens) and covers the whole sequence (prompt, generated
+turns and observations). Bump SCHEMA_VERSION on any incompatible change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+FinishReason = Literal["stop", "length", "abort", "turn_limit", "token_limit", "error"]
+"""Why the episode ended: stop (model or environment finished), length (the last turn hit max_new_tokens),
+abort (engine aborted the request), turn_limit / token_limit (agent-loop caps), error (environment error)."""
+
+MetadataValue = str | int | float | bool
+
+
+class Turn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One generate -> (observe) step of a multi-turn episode, as token index ranges into the sequence."""
+
+    action_start: int  # index of the turn's first generated token
+    action_end: int  # one past its last generated token
+    observation_end: int  # one past the observation appended after the turn (== action_end when none)
+    reward: float | None = None  # per-turn reward, when the environment gives one
+    generate_s: float = 0.0  # wall time the engine spent on the turn
+    tool_s: float = 0.0  # wall time of the tool / environment step that followed
+
+
+class Timings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Wall-clock marks of the episode (time.time() seconds) for latency and staleness accounting."""
+
+    started_at: float  # rollout worker took the prompt
+    finished_at: float  # last token / observation appended
+    sent_at: float = 0.0  # handed to the bus (set by the sender)
+
+
+class TrajectoryHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Everything but the per-token arrays; travels as one msgpack frame in front of them."""
+
+    schema_version: int  # SCHEMA_VERSION of the producer; the receiver rejects any other
+    trajectory_id: str  # globally unique; the receiver de-duplicates on it (exactly-once)
+    prompt_id: str  # id of the prompt; the GRPO arm groups the G samples of a prompt by it
+    sample_index: int  # 0..G-1 within the prompt's group (always 0 for single-rollout SAO)
+    num_tokens: int  # T: length of every per-token array frame
+    prompt_len: int  # tokens [0, prompt_len) are the initial prompt
+    reward: float  # terminal reward, to be placed on the last action token
+    turns: tuple[Turn, ...]  # the episode's turns, in order
+    finish_reason: FinishReason  # why the episode ended
+    engine_id: str  # engine (URL or name) that generated the last turn
+    worker_id: str  # rollout worker that ran the episode
+    timings: Timings  # wall-clock marks
+    metadata: dict[str, MetadataValue] = {}  # small task facts, e.g. {"env": "style", "style": "cute"}
+
+
+ARRAY_DTYPES: dict[str, np.dtype] = {
+    "tokens": np.dtype(np.int32),
+    "rollout_logprobs": np.dtype(np.float32),
+    "action_mask": np.dtype(np.bool_),
+    "weight_versions": np.dtype(np.int32),
+}
+"""The per-token arrays of a Trajectory, in frame order, with their wire dtypes."""
+
+
+@dataclass
+class Trajectory:
+    """A finished episode. Arrays are numpy, length T, aligned token by token."""
+
+    header: TrajectoryHeader
+    tokens: np.ndarray  # int32 [T]: prompt, generated and observation token ids
+    rollout_logprobs: np.ndarray  # float32 [T]: log-prob of each generated token under its weights; 0 elsewhere
+    action_mask: np.ndarray  # bool [T]: True exactly on tokens the policy generated
+    weight_versions: np.ndarray  # int32 [T]: weight version that generated each token; -1 on non-action tokens
+    extras: dict[str, object] = field(default_factory=dict)  # receiver-side annotations (never sent)
+
+    @property
+    def trajectory_id(self) -> str:
+        return self.header.trajectory_id
+
+    @property
+    def num_action_tokens(self) -> int:
+        return int(self.action_mask.sum())
+
+    def oldest_version(self) -> int | None:
+        """Smallest weight version among generated tokens (None when nothing was generated)."""
+        v = self.weight_versions[self.action_mask]
+        return int(v.min()) if v.size else None
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field when the arrays and header disagree."""
+        h = self.header
+        if h.schema_version != SCHEMA_VERSION:
+            raise ValueError(f"schema_version {h.schema_version} != {SCHEMA_VERSION}")
+        for name, dtype in ARRAY_DTYPES.items():
+            arr = getattr(self, name)
+            if not isinstance(arr, np.ndarray) or arr.dtype != dtype or arr.ndim != 1:
+                got = f"{type(arr).__name__} {getattr(arr, 'dtype', '')} ndim={getattr(arr, 'ndim', '')}"
+                raise ValueError(f"{name}: expected a 1-D {dtype} array, got {got}")
+            if arr.shape[0] != h.num_tokens:
+                raise ValueError(f"{name}: length {arr.shape[0]} != header.num_tokens {h.num_tokens}")
+        if not 0 <= h.prompt_len <= h.num_tokens:
+            raise ValueError(f"prompt_len {h.prompt_len} outside [0, num_tokens={h.num_tokens}]")
+        if self.action_mask[: h.prompt_len].any():
+            raise ValueError("action_mask is True inside the prompt")
+        prev_end = h.prompt_len
+        for i, t in enumerate(h.turns):
+            if not prev_end <= t.action_start <= t.action_end <= t.observation_end <= h.num_tokens:
+                raise ValueError(f"turns[{i}] ranges {t} are not ordered inside [{prev_end}, {h.num_tokens}]")
+            prev_end = t.observation_end

@@ -1,0 +1,1 @@
+"""Model families (HF config -> megatron-core GPTModel), the HF<->megatron mapping, and tiny test models."""

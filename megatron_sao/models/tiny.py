@@ -1,0 +1,171 @@
+"""Tiny randomly initialized Hugging Face models of each supported family, with a small tokenizer.
+
+The project ships no weights: tests, benchmarks and the CPU examples make their models with
+`make_tiny_model()` (CLI: tools/make_tiny_model.py), using transformers' own config and model classes so
+that everything downstream (engine, conversion, learner) sees a genuine HF checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FAMILIES = ("qwen3_moe", "glm4_moe", "glm_moe_dsa")
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<answer>",
+    "</answer>",
+]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = [
+    "What is 12 + 7? Use the calculator: <tool_call>12 + 7</tool_call> <tool_response>19</tool_response> "
+    "The answer is <answer>19</answer>.",
+    "Compute (3 * 4) - 5 and answer with a number.",
+    "Write one short sentence about the sea in a cute style, a chuunibyou style or a classical style.",
+    "The quick brown fox jumps over the lazy dog. 0 1 2 3 4 5 6 7 8 9 + - * / ( ) = ? !",
+    "user assistant system tool observation answer result question step think",
+]
+
+
+def _tiny_hf_config(family: str, vocab_size: int, layers: int, hidden: int, experts: int, topk: int) -> Any:
+    import transformers
+
+    heads = max(2, hidden // 16)
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden // 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_experts_per_tok=topk,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=[SPECIAL_TOKENS.index("<|im_end|>"), SPECIAL_TOKENS.index("<|endoftext|>")],
+        pad_token_id=SPECIAL_TOKENS.index("<|endoftext|>"),
+    )
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **common, num_key_value_heads=heads // 2, head_dim=16, num_experts=experts, norm_topk_prob=True
+        )
+    if family == "glm4_moe":
+        return transformers.Glm4MoeConfig(
+            **common,
+            num_key_value_heads=heads // 2,
+            head_dim=16,
+            n_routed_experts=experts,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            attention_bias=True,
+            partial_rotary_factor=0.5,
+            routed_scaling_factor=2.5,
+        )
+    if family == "glm_moe_dsa":
+        return transformers.GlmMoeDsaConfig(
+            **common,
+            num_key_value_heads=heads,
+            n_routed_experts=experts,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            index_topk=16,
+            index_head_dim=16,
+            index_n_heads=2,
+        )
+    raise ValueError(f"unsupported family {family!r}; supported: {', '.join(FAMILIES)}")
+
+
+def build_tiny_tokenizer(vocab_size: int = 384) -> Any:
+    """A byte-level BPE tokenizer trained on a small built-in corpus, with chat and tool special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[3:],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_tiny_model(
+    family: str,
+    out: str | Path,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    experts: int = 4,
+    topk: int = 2,
+    vocab_size: int = 512,
+    seed: int = 0,
+    dtype: str = "fp32",
+    tokenizer: bool = True,
+    force: bool = False,
+) -> Path:
+    """Write a random HF model of `family` (safetensors, config.json, tokenizer files) to `out`."""
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        if not force:
+            raise FileExistsError(f"{out} is not empty; pass force=True (--force) to overwrite it")
+        shutil.rmtree(out)
+    if hidden % 16:
+        raise ValueError(f"hidden={hidden} must be a multiple of 16 (16-dim heads)")
+    if topk > experts:
+        raise ValueError(f"topk={topk} exceeds experts={experts}")
+    config = _tiny_hf_config(family, vocab_size, layers, hidden, experts, topk)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                p.copy_(torch.randn_like(p) * 0.01)  # non-zero so conversions that drop it are caught
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    if tokenizer:
+        tok = build_tiny_tokenizer()
+        if len(tok) > vocab_size:
+            raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({len(tok)} tokens)")
+        tok.save_pretrained(out)
+    meta = {"family": family, "seed": seed, "layers": layers, "hidden": hidden, "experts": experts, "topk": topk}
+    (out / "tiny_model.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return out
