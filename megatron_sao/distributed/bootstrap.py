@@ -120,12 +120,16 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234, timeout_s: floa
     )
 
 
-def destroy_distributed() -> None:
-    """Tear down megatron parallel state and the process group (tests call this between layouts)."""
+def destroy_distributed(keep_process_group: bool = False) -> None:
+    """Tear down megatron parallel state and, unless `keep_process_group`, the process group.
+
+    Keeping the process group lets one set of ranks switch layouts (init_distributed with another
+    ParallelConfig), which is how tests and tools compare TP/EP/PP layouts.
+    """
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    if dist.is_initialized():
+    if dist.is_initialized() and not keep_process_group:
         dist.barrier()
         dist.destroy_process_group()

@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 if not torch.cuda.is_available():
     # Expected on the CPU path; megatron-core prints it once per module that falls back.
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning)
+    for _expected in ("Transformer Engine and Apex are not installed", "Apex is not installed"):
+        warnings.filterwarnings("ignore", message=_expected, category=UserWarning)
 
 
 class UntestedMegatronWarning(UserWarning):

@@ -8,6 +8,7 @@ Only platform.activate() imports this module, and only on a machine without CUDA
 from __future__ import annotations
 
 import functools
+import inspect
 import multiprocessing as mp
 from typing import Any
 
@@ -148,11 +149,14 @@ def patch_distributed_optimizer_load() -> None:
     original_sharded_state_dict = cls.sharded_state_dict
     original_load_state_dict = cls.load_state_dict
 
+    signature = inspect.signature(original_sharded_state_dict)
+
     @functools.wraps(original_sharded_state_dict)
-    def sharded_state_dict(self: Any, *args: Any, is_loading: bool = False, **kwargs: Any) -> Any:
-        if is_loading and len(self.optimizer.state) == 0:
+    def sharded_state_dict(self: Any, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(self, *args, **kwargs)
+        if bound.arguments.get("is_loading", False) and len(self.optimizer.state) == 0:
             self._init_optimizer_states_with_dummy_values()
-        return original_sharded_state_dict(self, *args, is_loading=is_loading, **kwargs)
+        return original_sharded_state_dict(self, *args, **kwargs)
 
     @functools.wraps(original_load_state_dict)
     def load_state_dict(self: Any, state_dict: Any) -> Any:

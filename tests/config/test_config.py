@@ -1,0 +1,156 @@
+"""The config tree: loading, overrides, and an error naming the field and the fix for each bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_sao.config import ConfigError, SAOConfig, config_to_yaml, load_config, parse_overrides
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = sorted(p for ext in ("*.yaml", "*.yml", "*.toml") for p in (ROOT / "examples").rglob(ext))
+
+
+def test_defaults_are_the_paper_hyperparameters():
+    cfg = load_config()
+    assert cfg.algo.dis.eps_low == 0.3 and cfg.algo.dis.eps_high == 5.0
+    assert cfg.algo.value.updates_per_policy_step == 2
+    assert cfg.algo.gae.alpha == 1.5 and cfg.algo.gae.lambda_critic == 1.0 and cfg.algo.gae.gamma == 1.0
+    assert cfg.learner.policy.lr == 1e-6 and cfg.learner.value.lr == 5e-6 and cfg.learner.value.warmup_steps == 10
+    assert cfg.learner.trajectories_per_step == 128
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[str(p.relative_to(ROOT)) for p in SHIPPED])
+def test_every_shipped_config_parses(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, SAOConfig)
+
+
+def test_examples_ship_configs_for_each_target():
+    names = {p.parent.name for p in SHIPPED}
+    assert {"qwen3_30b", "glm_750b", "tiny_cpu"} <= names
+
+
+def test_dotted_overrides_both_spellings_and_yaml_values():
+    cfg = load_config(
+        None,
+        [
+            "--algo.dis.eps_high",
+            "3.0",
+            "--learner.seed=7",
+            "--model.hf_overrides",
+            "{num_hidden_layers: 2}",
+            "--parallel.sequence_parallel",
+            "null",
+        ],
+    )
+    assert cfg.algo.dis.eps_high == 3.0 and cfg.learner.seed == 7
+    assert cfg.model.hf_overrides == {"num_hidden_layers": 2}
+    assert cfg.parallel.sequence_parallel is None
+
+
+def test_yaml_and_toml_load_the_same_tree(tmp_path):
+    (tmp_path / "a.yaml").write_text("algo:\n  dis:\n    eps_low: 0.8\nlearner:\n  seed: 3\n")
+    (tmp_path / "a.toml").write_text("[algo.dis]\neps_low = 0.8\n[learner]\nseed = 3\n")
+    assert load_config(tmp_path / "a.yaml") == load_config(tmp_path / "a.toml")
+
+
+def test_yaml_dump_round_trips(tmp_path):
+    cfg = load_config(None, ["--algo.name", "grpo", "--parallel.expert", "2", "--launch.nproc_per_node", "2"])
+    (tmp_path / "c.yaml").write_text(config_to_yaml(cfg))
+    assert load_config(tmp_path / "c.yaml") == cfg
+
+
+def _error(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, list(overrides))
+    return str(e.value)
+
+
+def test_unknown_key_suggests_the_closest_field():
+    msg = _error("--algo.dis.eps_hgh", "3")
+    assert "algo.dis.eps_hgh: unknown key" in msg and "did you mean 'algo.dis.eps_high'" in msg
+
+
+def test_unknown_section_suggests_the_closest_section():
+    assert "did you mean 'learner'" in _error("--lerner.seed", "3")
+
+
+def test_unknown_key_without_a_close_match_lists_the_known_keys():
+    msg = _error("--bus.zzzz", "1")
+    assert "bus.zzzz: unknown key" in msg and "max_inflight" in msg
+
+
+def test_world_size_not_divisible_by_tp_pp_cp():
+    msg = _error("--launch.nproc_per_node", "6", "--parallel.tensor", "4")
+    assert "world size 6 is not divisible by parallel.tensor * parallel.pipeline * parallel.context" in msg
+    assert "4*1*1 = 4" in msg
+
+
+def test_world_size_not_divisible_by_pipeline_and_context():
+    msg = _error("--launch.nproc_per_node", "4", "--parallel.pipeline", "3")
+    assert "world size 4" in msg and "1*3*1 = 3" in msg
+
+
+def test_expert_parallel_must_divide_the_expert_count():
+    msg = _error("--model.num_experts", "6", "--parallel.expert", "4", "--launch.nproc_per_node", "4")
+    assert "parallel.expert=4 does not divide the model's 6 routed experts" in msg and "[1, 2, 3, 6]" in msg
+
+
+def test_expert_count_is_read_from_the_hf_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 10}))
+    msg = _error("--model.hf_path", str(tmp_path), "--parallel.expert", "4", "--launch.nproc_per_node", "4")
+    assert "10 routed experts" in msg
+
+
+def test_expert_layout_must_fit_the_world():
+    msg = _error("--parallel.expert", "4", "--launch.nproc_per_node", "2")
+    assert "parallel.expert * parallel.expert_tensor * parallel.pipeline" in msg
+
+
+def test_sequence_parallel_without_tensor_parallel_is_refused():
+    assert "needs parallel.tensor > 1" in _error("--parallel.sequence_parallel", "true")
+
+
+def test_out_of_range_and_mistyped_values_name_the_field():
+    assert "algo.dis.eps_low" in _error("--algo.dis.eps_low", "1.5")
+    assert "learner.seed" in _error("--learner.seed", "abc")
+    assert "algo.name" in _error("--algo.name", "ppo")
+
+
+def test_cross_section_token_limits():
+    msg = _error("--rollout.max_total_tokens", "9000", "--model.max_seq_len", "8192")
+    assert "rollout.max_total_tokens=9000 exceeds model.max_seq_len=8192" in msg
+
+
+def test_sao_without_critic_updates_is_refused():
+    assert "algo.value.updates_per_policy_step=0" in _error("--algo.value.updates_per_policy_step", "0")
+
+
+def test_malformed_overrides_and_files(tmp_path):
+    with pytest.raises(ConfigError, match="has no value"):
+        parse_overrides(["--algo.dis.eps_low"])
+    with pytest.raises(ConfigError, match="must look like"):
+        parse_overrides(["algo.dis.eps_low=3"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("algo: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(tmp_path / "bad.yaml")
+    (tmp_path / "x.json").write_text("{}")
+    with pytest.raises(ConfigError, match="unknown extension"):
+        load_config(tmp_path / "x.json")
+    with pytest.raises(ConfigError, match="is a value, not a section"):
+        load_config(None, ["--learner.seed", "1", "--learner.seed.x", "2"])
+
+
+def test_cli_config_show_prints_the_resolved_tree_and_check_exits_2_on_errors():
+    run = [sys.executable, "-m", "megatron_sao", "config"]
+    out = subprocess.run([*run, "show", "--algo.dis.eps_high", "4.5"], capture_output=True, text=True, check=True)
+    assert "eps_high: 4.5" in out.stdout
+    bad = subprocess.run([*run, "check", "--algo.dis.eps_hihg", "4.5"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "did you mean 'algo.dis.eps_high'" in bad.stderr

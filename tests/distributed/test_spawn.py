@@ -1,0 +1,59 @@
+"""The rank spawner used by tests, tools and benchmarks: results in rank order, failures and hangs reported."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from megatron_sao.distributed import RankFailure, spawn_ranks
+
+
+def _all_reduce_rank() -> tuple[int, int, int]:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.tensor([dist.get_rank() + 1])
+    dist.all_reduce(t)
+    threads = torch.get_num_threads()
+    dist.destroy_process_group()
+    return dist_rank_from_env(), int(t.item()), threads
+
+
+def dist_rank_from_env() -> int:
+    return int(os.environ["RANK"])
+
+
+def _fail_on_rank_one() -> None:
+    print("hello from", os.environ["RANK"], flush=True)
+    if os.environ["RANK"] == "1":
+        raise ValueError("boom on purpose")
+
+
+def _hang_on_rank_zero() -> None:
+    import time
+
+    if os.environ["RANK"] == "0":
+        time.sleep(60)
+
+
+@pytest.mark.multiproc
+def test_spawned_ranks_form_a_gloo_group_with_one_thread_each():
+    assert spawn_ranks(_all_reduce_rank, 2, timeout_s=60) == [(0, 3, 1), (1, 3, 1)]
+
+
+@pytest.mark.multiproc
+def test_a_failing_rank_is_reported_with_its_traceback_and_output():
+    with pytest.raises(RankFailure) as e:
+        spawn_ranks(_fail_on_rank_one, 2, timeout_s=60)
+    msg = str(e.value)
+    assert "rank 1 of 2 failed" in msg and "ValueError: boom on purpose" in msg and "hello from 1" in msg
+
+
+@pytest.mark.multiproc
+def test_a_hanging_rank_times_out_with_its_stack():
+    with pytest.raises(RankFailure) as e:
+        spawn_ranks(_hang_on_rank_zero, 2, timeout_s=8)
+    msg = str(e.value)
+    assert "ranks [0] of 2 did not finish within 8s" in msg and "_hang_on_rank_zero" in msg
