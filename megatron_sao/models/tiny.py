@@ -92,7 +92,7 @@ def _tiny_hf_config(family: str, vocab_size: int, layers: int, hidden: int, expe
             qk_rope_head_dim=8,
             qk_nope_head_dim=16,
             v_head_dim=16,
-            index_topk=16,
+            index_topk=256,  # >= test sequence lengths: dense MLA is then exact (see families/glm_moe_dsa.py)
             index_head_dim=16,
             index_n_heads=2,
         )

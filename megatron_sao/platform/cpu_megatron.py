@@ -44,6 +44,22 @@ def patch_te_general_gemm() -> None:
 
 
 @register(
+    "mla-have-te-flag",
+    works_around="megatron.core.transformer.multi_latent_attention.MLASelfAttention.__init__ (module flag HAVE_TE)",
+    why="'TypeError: isinstance() arg 2 must be a type' building MLA: importing megatron.core.extensions."
+    "transformer_engine succeeds without Transformer Engine (its classes are None), so the module sets HAVE_TE=True "
+    "and calls isinstance(linear_proj, None)",
+)
+def patch_mla_have_te() -> None:
+    import importlib.util
+
+    from megatron.core.transformer import multi_latent_attention
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        multi_latent_attention.HAVE_TE = False
+
+
+@register(
     "torch-norm-sequence-parallel",
     works_around="megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__",
     why="'AssertionError: sequence parallel not supported by torch LayerNorm'; megatron requires sequence "

@@ -1,0 +1,210 @@
+"""Build this rank's megatron-core GPTModel (policy or value role) from an HF config.json.
+
+Called by the learner, the conversion/parity tools and tests. Layer specs come from megatron-core
+(`get_gpt_decoder_block_spec`): Transformer Engine specs when TE is importable on a GPU, local specs
+otherwise (the CPU path). The value role is the same backbone with `ValueHead` as output layer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from megatron_sao.config.model import ModelConfig
+from megatron_sao.config.parallel import ParallelConfig
+from megatron_sao.models.families import HFConfig, ModelFamily, UnsupportedModelError, detect_family
+
+Role = Literal["policy", "value"]
+ROPE_MODEL_ARGS = ("rotary_base", "rotary_percent")
+VOCAB_PAD_MULTIPLE = 128
+
+
+def transformer_engine_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
+    """Embedding rows megatron holds: a multiple of 128 (and of TP). Rows past `vocab_size` are padding that
+    the policy's log-softmax masks out; checkpoints keep the padded size, which does not depend on TP for any
+    TP dividing 128."""
+    multiple = VOCAB_PAD_MULTIPLE
+    padded = -(-vocab_size // multiple) * multiple
+    if padded % tensor_parallel:
+        multiple = VOCAB_PAD_MULTIPLE * tensor_parallel
+        padded = -(-vocab_size // multiple) * multiple
+    return padded
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything that fixes the network's shape and numerics (not its parallel layout)."""
+
+    family: ModelFamily
+    hf: HFConfig
+    dtype: Literal["bf16", "fp32"] = "fp32"
+    use_dsa_indexer: bool = False
+    max_seq_len: int = 4096
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf["vocab_size"])
+
+    @property
+    def tie_embeddings(self) -> bool:
+        return bool(self.hf.get("tie_word_embeddings", False))
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path, **kwargs: Any) -> ModelSpec:
+        hf = json.loads((Path(path) / "config.json").read_text())
+        overrides = kwargs.pop("hf_overrides", None) or {}
+        hf.update(overrides)
+        return cls(family=detect_family(hf, kwargs.pop("family", None)), hf=hf, **kwargs)
+
+    @classmethod
+    def from_config(cls, model: ModelConfig) -> ModelSpec:
+        hf = model.hf_config_dict()
+        if hf is None:
+            raise ValueError(f"model.hf_path={model.hf_path!r} has no config.json; point it at an HF model directory")
+        return cls(
+            family=detect_family(hf, model.family),
+            hf=hf,
+            dtype=model.dtype,
+            use_dsa_indexer=model.use_dsa_indexer,
+            max_seq_len=model.max_seq_len,
+        )
+
+
+def _numerics(dtype: str, use_te: bool) -> dict[str, Any]:
+    params_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    return dict(
+        bf16=dtype == "bf16",
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # Fusions need TE/apex/CUDA kernels; the CPU path runs the eager functions.
+        gradient_accumulation_fusion=use_te,
+        bias_activation_fusion=use_te,
+        bias_dropout_fusion=use_te,
+        apply_rope_fusion=use_te,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        moe_grouped_gemm=use_te,
+    )
+
+
+def transformer_config(
+    spec: ModelSpec,
+    parallel: ParallelConfig,
+    *,
+    use_te: bool | None = None,
+    moe_aux_loss_coeff: float = 0.0,
+    **overrides: Any,
+) -> Any:
+    """megatron-core TransformerConfig (MLATransformerConfig for MLA families) for `spec` laid out by `parallel`."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    use_te = transformer_engine_available() if use_te is None else use_te
+    arch = spec.family.architecture(spec.hf)
+    if not spec.family.multi_latent_attention:
+        for key in ROPE_MODEL_ARGS:  # GPTModel arguments, not TransformerConfig fields (MLA keeps them)
+            arch.pop(key)
+    if not spec.use_dsa_indexer:
+        for key in ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk"):
+            arch.pop(key, None)
+    num_experts = arch.get("num_moe_experts")
+    if num_experts:
+        parallel.check_num_experts(num_experts)
+    heads, groups = arch["num_attention_heads"], arch.get("num_query_groups") or arch["num_attention_heads"]
+    if heads % parallel.tensor or groups % parallel.tensor:
+        raise ValueError(
+            f"parallel.tensor={parallel.tensor} must divide the {heads} attention heads and {groups} KV heads of "
+            f"{spec.family.name}; choose a tensor-parallel size that divides both"
+        )
+    kwargs: dict[str, Any] = dict(
+        **arch,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=float(spec.hf.get("initializer_range", 0.02)),
+        tensor_model_parallel_size=parallel.tensor,
+        sequence_parallel=parallel.use_sequence_parallel,
+        pipeline_model_parallel_size=parallel.pipeline,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
+        context_parallel_size=parallel.context,
+        expert_model_parallel_size=parallel.expert,
+        expert_tensor_parallel_size=parallel.resolved_expert_tensor,
+        moe_token_dispatcher_type="alltoall",
+        moe_router_dtype="fp32",
+        moe_aux_loss_coeff=moe_aux_loss_coeff,
+        moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coeff > 0 else "none",
+        moe_router_bias_update_rate=0.0,
+        variable_seq_lengths=True,
+        calculate_per_token_loss=True,
+        **_numerics(spec.dtype, use_te),
+    )
+    if spec.use_dsa_indexer:
+        kwargs["experimental_attention_variant"] = "dsa"
+    kwargs.update(overrides)
+    cls = MLATransformerConfig if spec.family.multi_latent_attention else TransformerConfig
+    return cls(**kwargs)
+
+
+def build_model(
+    spec: ModelSpec,
+    config: Any,
+    role: Role = "policy",
+    *,
+    use_te: bool | None = None,
+    vp_stage: int | None = None,
+) -> Any:
+    """This pipeline stage's GPTModel. Weights are randomly initialized; load them with models.weights."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from megatron_sao.models.attention import with_latent_attention
+    from megatron_sao.models.value_head import ValueHead
+
+    use_te = transformer_engine_available() if use_te is None else use_te
+    if spec.use_dsa_indexer:
+        raise UnsupportedModelError(
+            "model.use_dsa_indexer=true is not available on this build: megatron-core 0.16's DSA module needs "
+            "Transformer Engine kernels (see docs/models.md); use dense MLA (the default)"
+        )
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
+    )
+    if spec.family.multi_latent_attention and not use_te:
+        block = with_latent_attention(block, spec.family.mla_latent_norm_eps)
+    rope = {k: v for k, v in spec.family.architecture(spec.hf).items() if k in ROPE_MODEL_ARGS}
+    pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=block,
+        vocab_size=padded_vocab_size(spec.vocab_size, config.tensor_model_parallel_size),
+        max_sequence_length=spec.max_seq_len,
+        pre_process=pre,
+        post_process=post,
+        share_embeddings_and_output_weights=spec.tie_embeddings and role == "policy",
+        position_embedding_type="rope",
+        rotary_percent=float(rope["rotary_percent"]),
+        rotary_base=int(rope["rotary_base"]),
+        vp_stage=vp_stage,
+    )
+    if role == "value" and post:
+        model.output_layer = ValueHead(config)
+    return model

@@ -1,0 +1,37 @@
+"""The critic's scalar head: replaces a GPTModel's output_layer, so the value model is the policy's backbone
+with a different head (a spec choice, not a fork of the model). Used by models/builder.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.module import MegatronModule
+
+
+class ValueHead(MegatronModule):
+    """hidden [s, b, h] (sequence-parallel chunk when SP is on) -> values [s, b, 1], replicated over TP.
+
+    With sequence parallelism the head runs on each rank's sequence chunk and the scalar outputs are gathered;
+    its parameters are tagged `sequence_parallel` so megatron all-reduces their partial gradients over TP.
+    """
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config=config)
+        self.sequence_parallel = bool(config.sequence_parallel)
+        self.weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype))
+        with torch.no_grad():
+            self.weight.normal_(0.0, config.init_method_std)
+        for p in (self.weight, self.bias):
+            p.sequence_parallel = self.sequence_parallel
+
+    def forward(
+        self, hidden_states: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: Any = None
+    ) -> tuple[torch.Tensor, None]:
+        values = torch.nn.functional.linear(hidden_states, self.weight, self.bias)
+        if self.sequence_parallel:
+            # Every TP rank computes the same loss on the gathered values, so backward only splits.
+            values = gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False)
+        return values, None

@@ -1,0 +1,131 @@
+"""Moving weights between Hugging Face checkpoints and live megatron-core models (any TP/EP/PP, local or TE spec).
+
+`HFCheckpoint` reads a safetensors directory lazily; `load_hf_weights` fills this rank's shards through the
+model's own `sharded_state_dict()` (which knows each shard's global offsets, including the gate/up split of
+GLU weights), with names and transforms from models/mapping.py. Used by the learner (initial weights), the
+conversion tools and the parity check.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from megatron_sao.models.builder import ModelSpec, Role, padded_vocab_size
+from megatron_sao.models.mapping import WeightMapping, attention_shape, canonical_from_checkpoint_key
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+class WeightMismatchError(ValueError):
+    """A checkpoint tensor is missing, unexpected, or has the wrong shape/dtype; the message names it."""
+
+
+class HFCheckpoint:
+    """Lazy, read-only view of an HF safetensors directory (one file or an index of shards)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        index = self.path / SAFETENSORS_INDEX
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self._file_of = {name: self.path / f for name, f in weight_map.items()}
+        else:
+            files = sorted(self.path.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"{self.path} holds no *.safetensors files (nor {SAFETENSORS_INDEX})")
+            self._file_of = {}
+            for f in files:
+                with safe_open(str(f), framework="pt") as h:
+                    for name in h.keys():  # noqa: SIM118 - safe_open handles are not mappings
+                        self._file_of[name] = f
+        self._handles: dict[Path, Any] = {}
+
+    def names(self) -> list[str]:
+        return list(self._file_of)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def _handle(self, name: str) -> Any:
+        if name not in self._file_of:
+            raise WeightMismatchError(f"HF checkpoint {self.path} has no tensor {name!r}")
+        f = self._file_of[name]
+        if f not in self._handles:
+            self._handles[f] = safe_open(str(f), framework="pt")
+        return self._handles[f]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def files(self) -> list[Path]:
+        return sorted(set(self._file_of.values()))
+
+
+def weight_mapping(spec: ModelSpec) -> WeightMapping:
+    """The expanded HF<->megatron mapping of `spec`."""
+    attn = None if spec.family.multi_latent_attention else attention_shape(spec.hf)
+    return WeightMapping(spec.family.weight_rules(spec.hf), attn, spec.vocab_size)
+
+
+def iter_sharded_tensors(model: Any) -> Iterator[Any]:
+    """Every ShardedTensor of this rank's model, with GLU factories expanded into their gate/up halves."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    for v in nested_values(model.sharded_state_dict()):
+        if isinstance(v, ShardedTensorFactory):
+            built = v.build()
+            for sub in nested_values(built) if isinstance(built, dict | list) else [built]:
+                if sub.key != v.key:
+                    raise WeightMismatchError(f"unsupported sharded-tensor split {sub.key} (singleton local shards)")
+                yield sub
+        elif isinstance(v, ShardedTensor):
+            yield v
+
+
+def local_slice(full: torch.Tensor, sh: Any) -> torch.Tensor:
+    """This shard's part of the unstacked full tensor (the leading stacked axes are already selected)."""
+    p = sh.prepend_axis_num
+    index = tuple(slice(o, o + n) for o, n in zip(sh.global_offset[p:], sh.data.shape))
+    return full[index]
+
+
+def load_hf_weights(model: Any, spec: ModelSpec, hf: HFCheckpoint, role: Role = "policy") -> list[str]:
+    """Copy HF weights into this rank's shards of `model`; returns the canonical names loaded.
+
+    The value role's head (output_layer) has no HF counterpart and keeps its initialization.
+    """
+    mapping = weight_mapping(spec)
+    padded = padded_vocab_size(spec.vocab_size, model.config.tensor_model_parallel_size)
+    cache: dict[str, torch.Tensor] = {}
+    loaded: list[str] = []
+    with torch.no_grad():
+        for sh in iter_sharded_tensors(model):
+            name = canonical_from_checkpoint_key(sh.key, tuple(sh.global_offset[: sh.prepend_axis_num]))
+            if role == "value" and name.startswith("output_layer."):
+                continue
+            if name not in cache:  # the two GLU halves of one tensor arrive one after the other
+                cache.clear()
+                try:
+                    cache[name] = mapping.to_megatron(name, hf.get, padded)
+                except KeyError as e:
+                    raise WeightMismatchError(f"megatron tensor {name} has no HF mapping ({e})") from None
+            full = cache[name]
+            expected = tuple(sh.global_shape[sh.prepend_axis_num :])
+            if tuple(full.shape) != expected:
+                raise WeightMismatchError(
+                    f"{name}: HF tensors {mapping.rule(name).hf} give shape {tuple(full.shape)}, megatron expects "
+                    f"{expected}; the HF config and checkpoint disagree"
+                )
+            sh.data.copy_(local_slice(full, sh).to(sh.data.dtype))
+            loaded.append(name)
+    return loaded
