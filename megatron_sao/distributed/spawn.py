@@ -53,6 +53,7 @@ def _rank_main(
     kwargs: dict[str, Any],
     log_path: str,
     results: Any,
+    release: Any,
     threads: int,
     dump_after_s: float,
 ) -> None:
@@ -75,6 +76,8 @@ def _rank_main(
         os._exit(1)
     faulthandler.cancel_dump_traceback_later()
     results.put((rank, True, value))
+    # Tensors travel through shared memory owned by this process: stay alive until the parent has them.
+    release.wait(timeout=dump_after_s)
 
 
 def _tail(path: Path, lines: int = 60) -> str:
@@ -100,6 +103,7 @@ def spawn_ranks(
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    release = ctx.Event()
     port = find_free_port()
     logdir = Path(tempfile.mkdtemp(prefix="sao_ranks_"))
     procs: list[Any] = []
@@ -123,6 +127,7 @@ def spawn_ranks(
                         kwargs,
                         str(logdir / f"rank{rank}.log"),
                         results,
+                        release,
                         threads_per_rank,
                         max(1.0, timeout_s - 5.0),
                     ),
@@ -130,22 +135,29 @@ def spawn_ranks(
                 )
                 p.start()
             procs.append(p)
-        return _collect(procs, results, logdir, timeout_s)
+        return _collect(procs, results, release, logdir, timeout_s)
     finally:
+        release.set()
         for p in procs:
             if p.is_alive():
                 p.kill()
             p.join(timeout=10)
 
 
-def _collect(procs: list[Any], results: Any, logdir: Path, timeout_s: float) -> list[Any]:
+def _collect(procs: list[Any], results: Any, release: Any, logdir: Path, timeout_s: float) -> list[Any]:
     world_size = len(procs)
     values: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     failure: tuple[int, str, float] | None = None  # (rank, traceback or reason, when)
     while len(values) < world_size:
-        with contextlib.suppress(queue.Empty):
+        try:
             rank, ok, value = results.get(timeout=0.2)
+        except queue.Empty:
+            pass
+        except (EOFError, OSError) as e:  # a rank died while writing its result
+            if failure is None:
+                failure = (-1, f"result channel broke ({e!r}); a rank crashed", time.monotonic())
+        else:
             if ok:
                 values[rank] = value
             elif failure is None:
@@ -158,13 +170,15 @@ def _collect(procs: list[Any], results: Any, logdir: Path, timeout_s: float) -> 
             rank, reason, since = failure
             # Give the failing rank's own traceback a moment to arrive, then stop the others.
             if now - since > 5.0 or not any(p.is_alive() for p in procs):
-                output = _tail(logdir / f"rank{rank}.log")
-                raise RankFailure(f"rank {rank} of {world_size} failed:\n{reason}\n--- its output ---\n{output}")
+                ranks = [rank] if rank >= 0 else list(range(world_size))
+                output = "\n".join(f"--- rank {r} output ---\n{_tail(logdir / f'rank{r}.log')}" for r in ranks)
+                raise RankFailure(f"rank {rank} of {world_size} failed:\n{reason}\n{output}")
         if now > deadline:
             pending = [r for r in range(world_size) if r not in values]
             time.sleep(6.0)  # faulthandler dumps the stuck ranks' stacks into their logs
             logs = "\n".join(f"--- rank {r} output ---\n{_tail(logdir / f'rank{r}.log')}" for r in pending)
             raise RankFailure(f"ranks {pending} of {world_size} did not finish within {timeout_s:.0f}s\n{logs}")
+    release.set()
     for p in procs:
         p.join(timeout=30)
     return [values[r] for r in range(world_size)]

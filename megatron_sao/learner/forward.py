@@ -1,0 +1,107 @@
+"""Forward passes of the learner through megatron's schedule (so pipeline parallelism works), and what the
+policy and value outputs become: per-position log-probs (vocab-parallel, never gathering the vocabulary)
+and per-position values. Called by learner/step.py and the parity tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from megatron_sao.learner.packing import MicroBatch
+
+LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]
+"""(micro-batch, model output) -> (summed loss, token count, metrics); megatron divides gradients by the
+step's total token count (calculate_per_token_loss)."""
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_size: int) -> torch.Tensor:
+    """log softmax(logits / temperature)[target] per position, from vocab-parallel logits.
+
+    Args:
+        logits: [..., V_padded / TP] this TP rank's slice of the vocabulary (any leading shape, e.g. [1, S]).
+        targets: int64 with the leading shape of logits: the token each position predicts.
+        temperature: the engines' sampling temperature (rollout.sampling.temperature).
+        vocab_size: the real vocabulary; padded rows past it are excluded from the softmax.
+    Returns:
+        float32 with the leading shape of logits. Gradient flows into logits.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    scaled = logits.float() / temperature
+    part = scaled.shape[-1]
+    first = ps.get_tensor_model_parallel_rank() * part
+    if first + part > vocab_size:  # this rank holds padding rows
+        cols = torch.arange(first, first + part, device=scaled.device)
+        scaled = scaled.masked_fill(cols >= vocab_size, float("-inf"))
+    lead = scaled.shape[:-1]
+    nll = vocab_parallel_cross_entropy(scaled.reshape(-1, 1, part), targets.reshape(-1, 1).to(scaled.device))
+    return -nll.reshape(lead)
+
+
+def _to_device(mb: MicroBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    mask = None if mb.attention_mask is None else mb.attention_mask.to(device, non_blocking=True)
+    return mb.tokens.to(device, non_blocking=True), mb.position_ids.to(device, non_blocking=True), mask
+
+
+def run_microbatches(
+    model: Any, microbatches: Sequence[MicroBatch], loss_fn: LossFn, forward_only: bool
+) -> list[dict[str, Any]]:
+    """One pass over `microbatches` through get_forward_backward_func; returns the loss_fn metrics per
+    micro-batch (last pipeline stage; [] elsewhere). With forward_only=False gradients accumulate in the
+    model's DDP buffers."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    device = next(model.parameters()).device
+
+    def forward_step(data_iterator: Iterator[MicroBatch], chunk: Any) -> tuple[torch.Tensor, Any]:
+        mb = next(data_iterator)
+        tokens, positions, mask = _to_device(mb, device)
+        output = chunk(tokens, positions, mask, packed_seq_params=mb.packed_seq_params)
+        return output, lambda out: loss_fn(mb, out)
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(microbatches),
+        model=[model],
+        num_microbatches=len(microbatches),
+        seq_length=max(mb.seq_len for mb in microbatches),
+        micro_batch_size=1,
+        forward_only=forward_only,
+    )
+
+
+def collect_values(model: Any, microbatches: Sequence[MicroBatch], out: torch.Tensor) -> bool:
+    """Forward-only value pass; writes V(position) into `out` [B, L] (shifted layout). Returns False on ranks
+    that are not the last pipeline stage (they hold no values)."""
+
+    def loss_fn(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        values = output.reshape(-1).float().detach()
+        zero = values.new_zeros(())
+        return zero, torch.zeros((), dtype=torch.int), {"values": values.cpu()}
+
+    results = run_microbatches(model, microbatches, loss_fn, forward_only=True)
+    if not results:
+        return False
+    for mb, r in zip(microbatches, results):
+        mb.unpack_into(r["values"], out)
+    return True
+
+
+def collect_logprobs(
+    model: Any, microbatches: Sequence[MicroBatch], out: torch.Tensor, temperature: float, vocab_size: int
+) -> bool:
+    """Forward-only policy pass writing log-probs of each predicted token into `out` [B, L]."""
+
+    def loss_fn(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        logp = token_logprobs(output.reshape(mb.seq_len, -1), mb.targets(), temperature, vocab_size).detach()
+        return logp.new_zeros(()), torch.zeros((), dtype=torch.int), {"logprobs": logp.cpu()}
+
+    results = run_microbatches(model, microbatches, loss_fn, forward_only=True)
+    if not results:
+        return False
+    for mb, r in zip(microbatches, results):
+        mb.unpack_into(r["logprobs"], out)
+    return True

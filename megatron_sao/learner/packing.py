@@ -1,0 +1,136 @@
+"""Packing a rank's trajectories into micro-batches by a token budget (no padding waste between sequences).
+
+Each micro-batch is one packed row: the trajectories' tokens back to back, with attention confined to each
+trajectory. On the local spec that is a block-diagonal causal mask [1, 1, S, S]; with Transformer Engine it
+is `PackedSeqParams` (THD, cu_seqlens) and no mask. RoPE positions continue across the row; attention scores
+only depend on relative positions inside a trajectory, so this equals running the sequences separately.
+Called by learner/step.py; the per-position arrays use the shifted layout of learner/batch.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_sao.learner.batch import StepBatch
+
+PAD_TOKEN = 0
+
+
+@dataclass(frozen=True)
+class Segment:
+    row: int  # index of the trajectory in the StepBatch (-1: padding)
+    start: int  # first packed position
+    num_tokens: int  # tokens of the trajectory (its T); it owns positions [start, start + T)
+
+
+@dataclass
+class MicroBatch:
+    tokens: torch.Tensor  # int64 [1, S]
+    position_ids: torch.Tensor  # int64 [1, S], restarting at 0 for each trajectory
+    attention_mask: torch.Tensor | None  # bool [1, 1, S, S], True = masked out (local spec); None with THD
+    packed_seq_params: Any  # megatron PackedSeqParams (TE) or None
+    segments: list[Segment] = field(default_factory=list)
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def rows(self) -> list[Segment]:
+        return [s for s in self.segments if s.row >= 0]
+
+    def targets(self) -> torch.Tensor:
+        """int64 [S]: the token each position predicts (0 where nothing is predicted)."""
+        out = torch.zeros(self.seq_len, dtype=torch.int64)
+        flat = self.tokens[0]
+        for s in self.rows():
+            out[s.start : s.start + s.num_tokens - 1] = flat[s.start + 1 : s.start + s.num_tokens]
+        return out
+
+    def pack(self, per_row: torch.Tensor) -> torch.Tensor:
+        """[B, L] shifted per-trajectory values -> [S] per packed position (0 where nothing is predicted)."""
+        out = per_row.new_zeros(self.seq_len)
+        for s in self.rows():
+            out[s.start : s.start + s.num_tokens - 1] = per_row[s.row, : s.num_tokens - 1]
+        return out
+
+    def unpack_into(self, packed: torch.Tensor, per_row: torch.Tensor) -> None:
+        """Inverse of `pack`: write [S] packed position values into the rows of `per_row` [B, L]."""
+        for s in self.rows():
+            per_row[s.row, : s.num_tokens - 1] = packed[s.start : s.start + s.num_tokens - 1]
+
+
+def _block_causal_mask(segments: list[Segment], seq_len: int) -> torch.Tensor:
+    allowed = torch.zeros(seq_len, seq_len, dtype=torch.bool)
+    for s in segments:
+        end = s.start + s.num_tokens
+        allowed[s.start : end, s.start : end] = True
+    allowed &= torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    return (~allowed).view(1, 1, seq_len, seq_len)
+
+
+def _packed_seq_params(segments: list[Segment]) -> Any:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    lengths = torch.tensor([s.num_tokens for s in segments], dtype=torch.int32)
+    cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    if torch.cuda.is_available():
+        cu = cu.cuda()
+    max_len = int(lengths.max())
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len
+    )
+
+
+def build_microbatch(batch: StepBatch, rows: list[int], pad_multiple: int, use_thd: bool) -> MicroBatch:
+    """Pack `rows` of `batch` into one row padded to a multiple of `pad_multiple` (TP size for SP)."""
+    segments, pieces, positions, start = [], [], [], 0
+    for r in rows:
+        toks = batch.tokens[r]
+        segments.append(Segment(r, start, int(toks.numel())))
+        pieces.append(toks)
+        positions.append(torch.arange(toks.numel()))
+        start += int(toks.numel())
+    pad = (-start) % pad_multiple if start else pad_multiple
+    if pad:
+        segments.append(Segment(-1, start, pad))
+        pieces.append(torch.full((pad,), PAD_TOKEN, dtype=torch.int64))
+        positions.append(torch.arange(pad))
+    seq_len = start + pad
+    tokens = torch.cat(pieces).view(1, seq_len)
+    return MicroBatch(
+        tokens=tokens,
+        position_ids=torch.cat(positions).view(1, seq_len),
+        attention_mask=None if use_thd else _block_causal_mask(segments, seq_len),
+        packed_seq_params=_packed_seq_params(segments) if use_thd else None,
+        segments=segments,
+    )
+
+
+def plan_microbatches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Greedy, order-preserving: rows go into the current micro-batch while it stays within `max_tokens`
+    (a row longer than the budget gets a micro-batch of its own)."""
+    plan: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for r, n in enumerate(lengths):
+        if current and used + n > max_tokens:
+            plan.append(current)
+            current, used = [], 0
+        current.append(r)
+        used += n
+    if current:
+        plan.append(current)
+    return plan
+
+
+def pack_microbatches(
+    batch: StepBatch, max_tokens: int, pad_multiple: int, use_thd: bool, min_count: int = 0
+) -> list[MicroBatch]:
+    """All of `batch` as packed micro-batches, padded with empty ones up to `min_count` (every rank of an
+    expert-parallel group must run the same number of forward passes)."""
+    plan = plan_microbatches([int(t.numel()) for t in batch.tokens], max_tokens)
+    plan += [[] for _ in range(max(0, min_count - len(plan)))]
+    return [build_microbatch(batch, rows, pad_multiple, use_thd) for rows in plan]
