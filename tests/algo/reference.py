@@ -38,12 +38,13 @@ def dis_grad_loop(
     eps_low: float,
     eps_high: float,
     n: float,
-) -> tuple[float, list[float]]:
-    """Loss -sum(m r A)/N and its gradient -m r A / N per token, token by token."""
-    loss, grad = 0.0, []
+) -> tuple[float, list[float], list[bool]]:
+    """Loss -sum(m r A)/N, its gradient -m r A / N per token, and m per token, token by token."""
+    loss, grad, in_band = 0.0, [], []
     for lp, rlp, a, is_action in zip(logprobs, rollout_logprobs, advantages, mask):
         r = math.exp(lp - rlp) if is_action else 0.0
         m = is_action and (1 - eps_low) < r < (1 + eps_high)
         loss -= (r * a / n) if m else 0.0
         grad.append(-r * a / n if m else 0.0)
-    return loss, grad
+        in_band.append(m)
+    return loss, grad, in_band

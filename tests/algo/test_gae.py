@@ -145,7 +145,7 @@ def test_gae_per_row_lambda_equals_separate_scalar_calls() -> None:
 
 def test_gae_rows_without_action_tokens_are_zero_not_nan() -> None:
     mask = torch.tensor([[False] * 6, [False, True, True, False, True, False]])
-    values = torch.randn(2, 6)
+    values = torch.randn(2, 6, generator=torch.Generator().manual_seed(0))
     rewards = torch.zeros(2, 6)
     rewards[1, 4] = 1.0
     advantages, returns = compute_gae(rewards, values, mask, 1.0, length_adaptive_lambda(mask))
