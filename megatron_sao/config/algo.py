@@ -23,6 +23,8 @@ class DISConfig(Section):
 
 
 class GAEConfig(Section):
+    """Skip-observation token-level GAE (megatron_sao/algo/gae.py)."""
+
     gamma: float = Field(default=1.0, ge=0.0, le=1.0)
     """Discount over action tokens [unstated; 1.0]."""
 
@@ -44,7 +46,7 @@ class ValueConfig(Section):
     """K: value-model optimizer steps per policy step, on the same trajectories (TTUR; paper 2)."""
 
     clip: float | None = Field(default=0.2, gt=0.0)
-    """PPO value clip around the values seen at the start of the step; None disables clipping."""
+    """PPO value clip around the values seen at the start of the step [unstated; 0.2]; None disables clipping."""
 
     pretrain_samples: int = Field(default=0, ge=0)
     """Critic-only warm-up on rollouts of the frozen initial policy, in trajectories (paper: 6000)."""
@@ -60,13 +62,17 @@ class GRPOConfig(Section):
     policy_loss: Literal["dis", "ppo_clip"] = "dis"
     """Policy loss of the GRPO arm."""
 
-    clip_eps: float = Field(default=0.2, gt=0.0)
-    """PPO clip range when policy_loss = ppo_clip."""
+    clip_eps: float = Field(default=0.2, gt=0.0, lt=1.0)
+    """PPO clip range when policy_loss = ppo_clip: ratios are clipped to [1 - clip_eps, 1 + clip_eps_high]."""
+
+    clip_eps_high: float | None = Field(default=None, gt=0.0)
+    """Upper clip range for clip-higher (DAPO uses 0.28 with clip_eps 0.2); None = clip_eps (symmetric PPO)."""
 
 
 class RunningMeanConfig(Section):
     window: int = Field(default=8, ge=1)
-    """Number of most recent rewards averaged into the single-rollout baseline."""
+    """Number of most recent rewards averaged into the single-rollout baseline (paper: 8). The baseline of a
+    reward is the mean of the rewards before it (0 before the first)."""
 
 
 class AlgoConfig(Section):
