@@ -39,14 +39,22 @@ class RoleOptimConfig(Section):
     """...and none of these."""
 
 
-def _default_value_role() -> RoleOptimConfig:
-    # SAO freezes the critic's attention; experts, shared experts and the value head train.
-    return RoleOptimConfig(
-        lr=5e-6,
-        warmup_steps=10,
-        trainable=["*.mlp.experts.*", "*.mlp.shared_experts.*", "value_head.*"],
-        frozen=["*.self_attention.*", "*.router.*", "*norm*", "embedding.*"],
+class PolicyOptimConfig(RoleOptimConfig):
+    """The policy's optimizer (paper: LR 1e-6, everything trainable)."""
+
+    lr: float = Field(default=1e-6, gt=0.0)
+
+
+class ValueOptimConfig(RoleOptimConfig):
+    """The critic's optimizer. SAO freezes the critic's attention: experts, shared experts and the value head
+    (the value model's output_layer) train; attention, router, norms and embeddings stay frozen."""
+
+    lr: float = Field(default=5e-6, gt=0.0)
+    warmup_steps: int = Field(default=10, ge=0)
+    trainable: list[str] = Field(
+        default_factory=lambda: ["*.mlp.experts.*", "*.mlp.shared_experts.*", "output_layer.*"]
     )
+    frozen: list[str] = Field(default_factory=lambda: ["*.self_attention.*", "*.router.*", "*norm*", "embedding.*"])
 
 
 class LearnerConfig(Section):
@@ -59,8 +67,8 @@ class LearnerConfig(Section):
     max_steps: int = Field(default=1000, ge=1)
     """Policy steps to run (also the horizon of decaying LR schedules)."""
 
-    policy: RoleOptimConfig = Field(default_factory=lambda: RoleOptimConfig(lr=1e-6))
-    value: RoleOptimConfig = Field(default_factory=_default_value_role)
+    policy: PolicyOptimConfig = Field(default_factory=PolicyOptimConfig)
+    value: ValueOptimConfig = Field(default_factory=ValueOptimConfig)
 
     use_distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (megatron DistributedOptimizer)."""

@@ -154,3 +154,10 @@ def test_cli_config_show_prints_the_resolved_tree_and_check_exits_2_on_errors():
     assert "eps_high: 4.5" in out.stdout
     bad = subprocess.run([*run, "check", "--algo.dis.eps_hihg", "4.5"], capture_output=True, text=True)
     assert bad.returncode == 2 and "did you mean 'algo.dis.eps_high'" in bad.stderr
+
+
+def test_partial_role_override_keeps_the_role_defaults():
+    cfg = load_config(None, ["--learner.value.lr", "1e-3", "--learner.policy.warmup_steps", "5"])
+    assert cfg.learner.value.lr == 1e-3 and cfg.learner.value.warmup_steps == 10
+    assert "*.self_attention.*" in cfg.learner.value.frozen and "output_layer.*" in cfg.learner.value.trainable
+    assert cfg.learner.policy.lr == 1e-6 and cfg.learner.policy.warmup_steps == 5

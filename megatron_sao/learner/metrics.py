@@ -1,0 +1,72 @@
+"""Step metrics: token-weighted averages over micro-batches and data-parallel ranks, maxima for *_max, made
+identical on every rank (so rank 0 logs them even when it is not the last pipeline stage)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_sao.learner.step import WeightedMetrics
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _holds_outputs() -> bool:
+    """Ranks whose loss-function metrics count once: last pipeline stage, TP rank 0, CP rank 0."""
+    from megatron.core import parallel_state as ps
+
+    return (
+        ps.is_pipeline_last_stage(ignore_virtual=True)
+        and ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_context_parallel_rank() == 0
+    )
+
+
+def reduce_metrics(per_microbatch: list[WeightedMetrics], prefix: str = "") -> dict[str, float]:
+    """Collective over the world: every rank must call it with its (possibly empty) list."""
+    contributes = _holds_outputs()
+    local: WeightedMetrics = {}
+    for m in per_microbatch if contributes else []:
+        for name, (v, w) in m.items():
+            if name.endswith("_max"):
+                prev = local.get(name, (float("-inf"), 1.0))[0]
+                local[name] = (max(prev, v), 1.0)
+            else:
+                pv, pw = local.get(name, (0.0, 0.0))
+                local[name] = (pv + v, pw + w)
+    # Every rank needs the same names in the same order: take them from the first contributing rank.
+    source = torch.tensor(
+        [dist.get_rank() if contributes else dist.get_world_size()], dtype=torch.int64, device=_device()
+    )
+    dist.all_reduce(source, op=dist.ReduceOp.MIN)
+    names = [sorted(local)]
+    dist.broadcast_object_list(names, src=int(source.item()))
+    keys = names[0]
+    sums = torch.tensor(
+        [[local.get(k, (0.0, 0.0))[0], local.get(k, (0.0, 0.0))[1]] for k in keys if not k.endswith("_max")],
+        dtype=torch.float64,
+        device=_device(),
+    ).reshape(-1, 2)
+    maxes = torch.tensor(
+        [local.get(k, (float("-inf"), 1.0))[0] for k in keys if k.endswith("_max")],
+        dtype=torch.float64,
+        device=_device(),
+    )
+    dist.all_reduce(sums)
+    dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+    out: dict[str, float] = {}
+    for k, (s, w) in zip([k for k in keys if not k.endswith("_max")], sums.cpu().tolist()):
+        out[prefix + k] = s / w if w > 0 else 0.0
+    for k, v in zip([k for k in keys if k.endswith("_max")], maxes.cpu().tolist()):
+        out[prefix + k] = v
+    return out
+
+
+def all_reduce_scalar(value: float, op: str = "sum", group: object | None = None) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=_device())
+    dist.all_reduce(
+        t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op], group=group
+    )
+    return float(t.item())

@@ -1,0 +1,147 @@
+"""One trainable role of the learner (policy or value): its megatron model wrapped in DDP, the trainable
+parameter selection, its (distributed) optimizer and its LR schedule. Built by learner/learner.py."""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_sao.config.learner import RoleOptimConfig
+from megatron_sao.config.parallel import ParallelConfig
+from megatron_sao.models.builder import ModelSpec, Role, build_model, transformer_config
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainableReport:
+    trainable: list[str]
+    frozen: list[str]
+    trainable_numel: int
+    frozen_numel: int
+
+    def summary(self, role: str) -> str:
+        total = self.trainable_numel + self.frozen_numel
+        share = self.trainable_numel / max(total, 1)
+        groups = sorted({_group(n) for n in self.trainable})
+        return (
+            f"{role}: {self.trainable_numel:,} of {total:,} parameters trainable on this rank ({share:.1%}); "
+            f"trainable groups: {', '.join(groups) or 'none'}"
+        )
+
+
+def _group(name: str) -> str:
+    """decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight -> mlp.experts.*.linear_fc1.weight"""
+    parts = name.split(".")
+    out = [p if not p.isdigit() else "*" for p in parts]
+    if out[:3] == ["decoder", "layers", "*"]:
+        out = out[3:]
+    return ".".join(out)
+
+
+def select_trainable(model: torch.nn.Module, trainable: list[str], frozen: list[str]) -> TrainableReport:
+    """requires_grad = matches a `trainable` pattern and no `frozen` pattern (fnmatch over parameter names)."""
+    report = TrainableReport([], [], 0, 0)
+    for name, p in model.named_parameters():
+        train = any(fnmatch.fnmatchcase(name, pat) for pat in trainable) and not any(
+            fnmatch.fnmatchcase(name, pat) for pat in frozen
+        )
+        p.requires_grad_(train)
+        if train:
+            report.trainable.append(name)
+            report.trainable_numel += p.numel()
+        else:
+            report.frozen.append(name)
+            report.frozen_numel += p.numel()
+    return report
+
+
+@dataclass
+class RoleModel:
+    role: Role
+    config: Any  # megatron TransformerConfig of this role
+    ddp: Any  # megatron DistributedDataParallel
+    optimizer: Any  # megatron (Chained/Distributed) optimizer
+    scheduler: Any  # megatron OptimizerParamScheduler
+    report: TrainableReport
+    optimizer_steps: int = 0
+
+    @property
+    def model(self) -> Any:
+        return self.ddp.module
+
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def step(self) -> tuple[bool, float]:
+        """Optimizer step (with megatron's gradient clipping) and one scheduler step."""
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+            self.optimizer_steps += 1
+        return bool(ok), float(grad_norm) if grad_norm is not None else float("nan")
+
+    def current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+
+def build_role(
+    spec: ModelSpec,
+    parallel: ParallelConfig,
+    role: Role,
+    optim: RoleOptimConfig,
+    *,
+    total_steps: int,
+    use_distributed_optimizer: bool,
+    moe_aux_loss_coeff: float = 0.0,
+) -> RoleModel:
+    """Build, freeze, wrap and attach an optimizer; weights are still the random init (load them next)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    config = transformer_config(spec, parallel, moe_aux_loss_coeff=moe_aux_loss_coeff if role == "policy" else 0.0)
+    model = build_model(spec, config, role)
+    report = select_trainable(model, optim.trainable, optim.frozen)
+    if report.trainable_numel == 0 and report.frozen_numel != 0:
+        logger.warning("%s: no trainable parameters on this rank (patterns %s)", role, optim.trainable)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer
+    )
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    config.finalize_model_grads_func = finalize_model_grads
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad,
+        bf16=config.bf16,
+        params_dtype=config.params_dtype,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if optim.warmup_steps else optim.lr,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=optim.warmup_steps,
+        lr_decay_steps=max(total_steps, optim.warmup_steps + 1),
+        lr_decay_style=optim.schedule,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=max(total_steps, 1),
+        wd_incr_style="constant",
+    )
+    return RoleModel(role, config, ddp, optimizer, scheduler, report)

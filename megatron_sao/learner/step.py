@@ -1,0 +1,105 @@
+"""The two updates of an SAO learner step, as loss functions over packed micro-batches.
+
+    value update (K times):  v_loss = 0.5 * sum_t max((V_t - R_t)^2, (V_old_t + clip(V_t - V_old_t) - R_t)^2) / N
+    policy update (once):     pg_loss = -sum_t m_t * r_t * A_t / N,  r_t = exp(logp_t - logp_rollout_t)
+N is the step's number of action tokens over every micro-batch and data-parallel rank: each loss function
+returns its *sum* and token count, and megatron (calculate_per_token_loss) divides the gradients by the total.
+Metrics come back as token-weighted sums so learner/metrics.py can average them over the whole step.
+Called by learner/learner.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_sao.algo import dis_policy_loss, ppo_clip_policy_loss, value_loss
+from megatron_sao.config.algo import AlgoConfig
+from megatron_sao.learner.batch import StepBatch
+from megatron_sao.learner.forward import run_microbatches, token_logprobs
+from megatron_sao.learner.packing import MicroBatch
+from megatron_sao.learner.roles import RoleModel
+
+WeightedMetrics = dict[str, tuple[float, float]]
+"""name -> (value * weight, weight). Losses are already sums (N = 1 in the algo calls): (sum, count).
+Names ending in _max carry (max, 1) and are reduced with max."""
+
+
+def _weighted(metrics: dict[str, Any], count: float) -> WeightedMetrics:
+    out: WeightedMetrics = {}
+    for name, value in metrics.items():
+        v = float(value)
+        if name.endswith("num_action_tokens"):
+            continue
+        if name.endswith("_max"):
+            out[name] = (v, 1.0)
+        elif name.endswith("_loss"):
+            out[name] = (v, count)
+        else:
+            out[name] = (v * count, count)
+    return out
+
+
+def value_update(
+    value: RoleModel,
+    microbatches: list[MicroBatch],
+    batch: StepBatch,
+    returns: torch.Tensor | None,
+    old_values: torch.Tensor,
+    clip: float | None,
+) -> tuple[list[WeightedMetrics], bool, float]:
+    """One critic optimizer step on the whole step batch. `returns`/`old_values` [B, L] exist on the last
+    pipeline stage (None/unused elsewhere). Returns (per-micro-batch metrics, update ok, grad norm)."""
+
+    def loss_fn(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        assert returns is not None, "value loss evaluated off the last pipeline stage"
+        dev = output.device
+        mask = mb.pack(batch.action_mask).to(dev)
+        values = output.reshape(1, -1).float()
+        loss, m = value_loss(
+            values, mb.pack(old_values).to(dev)[None], mb.pack(returns).to(dev)[None], mask[None],
+            clip=clip, num_action_tokens=1.0,
+        )  # fmt: skip
+        count = mask.sum()
+        return loss, count.to(torch.int), _weighted(m, float(count))
+
+    value.zero_grad()
+    results = run_microbatches(value.ddp, microbatches, loss_fn, forward_only=False)
+    ok, grad_norm = value.step()
+    return results, ok, grad_norm
+
+
+def policy_update(
+    policy: RoleModel,
+    microbatches: list[MicroBatch],
+    batch: StepBatch,
+    advantages: torch.Tensor | None,
+    algo: AlgoConfig,
+    temperature: float,
+    vocab_size: int,
+) -> tuple[list[WeightedMetrics], bool, float]:
+    """One policy optimizer step: DIS (or PPO-clip for the GRPO arm with policy_loss=ppo_clip) against the
+    engines' logged log-probs. `advantages` [B, L] exists on the last pipeline stage."""
+    use_ppo_clip = algo.name == "grpo" and algo.grpo.policy_loss == "ppo_clip"
+
+    def loss_fn(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        assert advantages is not None, "policy loss evaluated off the last pipeline stage"
+        dev = output.device
+        logp = token_logprobs(output.reshape(mb.seq_len, -1), mb.targets(), temperature, vocab_size)[None]
+        rollout = mb.pack(batch.rollout_logprobs).to(dev)[None]
+        adv = mb.pack(advantages).to(dev)[None]
+        mask = mb.pack(batch.action_mask).to(dev)[None]
+        if use_ppo_clip:
+            loss, m = ppo_clip_policy_loss(
+                logp, rollout, adv, mask, algo.grpo.clip_eps, algo.grpo.clip_eps_high, num_action_tokens=1.0
+            )
+        else:
+            loss, m = dis_policy_loss(logp, rollout, adv, mask, algo.dis.eps_low, algo.dis.eps_high, 1.0)
+        count = mask.sum()
+        return loss, count.to(torch.int), _weighted(m, float(count))
+
+    policy.zero_grad()
+    results = run_microbatches(policy.ddp, microbatches, loss_fn, forward_only=False)
+    ok, grad_norm = policy.step()
+    return results, ok, grad_norm
