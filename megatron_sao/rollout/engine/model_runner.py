@@ -92,7 +92,7 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, cache, slots: list[int], starts: list[int], input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [B, q] (row b continues slot slots[b] at position starts[b]) -> last-position logits [B, V] fp32."""
+        """input_ids [B, q] (row b continues slot slots[b] at position starts[b]) -> last logits [B, V] fp32."""
         b, q = input_ids.shape
         kv_len = cache.begin(slots, starts, q)
         position_ids = torch.arange(q).view(1, -1) + torch.tensor(starts, dtype=torch.long).view(-1, 1)
