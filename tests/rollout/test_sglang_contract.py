@@ -42,7 +42,8 @@ META_INFO_KEYS = frozenset(
      "input_token_logprobs", "output_token_logprobs", "output_token_logprobs_length", "weight_versions"}
 )  # fmt: skip
 # schedule_batch.py: FINISH_MATCHED_TOKEN / FINISH_MATCHED_STR .to_json -> {"type": "stop", "matched"},
-# FINISH_LENGTH -> {"type": "length", "length"}, FINISH_ABORT -> {"type": "abort", "message", "status_code", "err_type"}.
+# FINISH_LENGTH -> {"type": "length", "length"},
+# FINISH_ABORT -> {"type": "abort", "message", "status_code", "err_type"}.
 FINISH_REASON_KEYS = {"stop": {"type", "matched"}, "length": {"type", "length"},
                       "abort": {"type", "message", "status_code", "err_type"}}  # fmt: skip
 # tokenizer_manager.py `detokenize_logprob_tokens`: (logprob, token_id, None) unless return_text_in_logprobs.
