@@ -31,6 +31,9 @@ class EngineError(RuntimeError):
         super().__init__(f"{url}: HTTP {status}: {body}")
         self.url, self.status, self.body = url, status, body
 
+    def __reduce__(self) -> tuple[Any, ...]:  # keeps it intact across process boundaries (multiprocessing queues)
+        return (type(self), (self.url, self.status, self.body))
+
 
 class EngineUnavailable(ConnectionError):
     """The engine could not be reached (refused, reset, died mid-request), after the retries."""
