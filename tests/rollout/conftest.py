@@ -7,7 +7,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -72,9 +72,14 @@ class EngineProc:
 
 
 @pytest.fixture
-def engine_procs(tmp_path: Path) -> Iterator[list[EngineProc]]:
-    """Append EngineProc objects to the list; all are killed at teardown."""
+def start_engine(tmp_path: Path) -> Iterator[Callable[..., EngineProc]]:
+    """start_engine(model_dir, *extra_args) -> EngineProc; every engine started is killed at teardown."""
     procs: list[EngineProc] = []
-    yield procs
+
+    def start(model_dir: Path, *extra: str) -> EngineProc:
+        procs.append(EngineProc(model_dir, tmp_path / f"engine{len(procs)}.log", *extra))
+        return procs[-1]
+
+    yield start
     for p in procs:
         p.kill()

@@ -103,13 +103,8 @@ def trainer(engine_url: str, model_dir: str, port: int) -> dict[str, Any]:
 
 
 @pytest.mark.multiproc
-def test_update_mid_generation_gives_two_versions_and_exact_new_weights(
-    engine_procs: list, tiny_dirs, tmp_path
-) -> None:
-    from tests.rollout.conftest import EngineProc
-
-    engine = EngineProc(tiny_dirs["qwen3_moe"], tmp_path / "engine.log")
-    engine_procs.append(engine)
+def test_update_mid_generation_gives_two_versions_and_exact_new_weights(start_engine: Any, tiny_dirs: Any) -> None:
+    engine = start_engine(tiny_dirs["qwen3_moe"])
     engine.wait_healthy()
     (out,) = spawn_ranks(trainer, 1, engine.url, str(tiny_dirs["qwen3_moe"]), find_free_port(), timeout_s=300)
     for key in ("init", "update", "again"):
