@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from megatron_sao.bus.schema import Trajectory
+from megatron_sao.config.tree import SAOConfig
 from megatron_sao.rollout.agent_loop import AgentLoop, EpisodeAborted
 from megatron_sao.rollout.client import EngineRouter, EngineTimeout, EngineUnavailable, NoHealthyEngine
 from megatron_sao.rollout.prompts import PromptCursor
@@ -212,3 +213,38 @@ class RolloutWorker:
         if self.cfg.state_path:
             Path(self.cfg.state_path).parent.mkdir(parents=True, exist_ok=True)
             self.cursor.save(self.cfg.state_path)
+
+
+def worker_from_config(cfg: SAOConfig, sink: TrajectorySink, engine_urls: list[str]) -> RolloutWorker:
+    """A worker wired from the config tree: env + prompts (rollout.env), tokenizer (model.hf_path), router over
+    `engine_urls`, sampling / limits (rollout.*), G per prompt (algo.rollouts_per_prompt), cursor state file."""
+    from transformers import AutoTokenizer
+
+    from megatron_sao.rollout.agent_loop import AgentLoopConfig, ChatTemplateCodec
+    from megatron_sao.rollout.client import RetryPolicy, SGLangClient
+    from megatron_sao.rollout.envs import make_env
+    from megatron_sao.rollout.prompts import read_jsonl
+
+    r = cfg.rollout
+    if cfg.model.hf_path is None:
+        raise ValueError("model.hf_path is not set: the rollout worker needs the model's tokenizer and chat template")
+    env = make_env(r.env.name, r.env.options)
+    records = read_jsonl(r.env.prompts) if r.env.prompts else env.make_prompts(10_000)
+    clients = [SGLangClient(u, timeout_s=r.request_timeout_s, retry=RetryPolicy(r.max_retries)) for u in engine_urls]
+    router = EngineRouter(clients)
+    sampling = {"temperature": r.sampling.temperature, "top_p": r.sampling.top_p, "top_k": r.sampling.top_k,
+                "max_new_tokens": r.sampling.max_new_tokens}  # fmt: skip
+    loop = AgentLoop(
+        env,
+        ChatTemplateCodec(AutoTokenizer.from_pretrained(cfg.model.hf_path)),
+        router.generate,
+        AgentLoopConfig(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, sampling=sampling),
+    )
+    wcfg = WorkerConfig(
+        concurrency=r.concurrency,
+        rollouts_per_prompt=cfg.algo.rollouts_per_prompt,
+        max_attempts=r.max_episode_attempts,
+        log_interval_s=r.log_interval_s,
+        state_path=r.cursor_state or str(Path(cfg.launch.run_dir) / "rollout_cursor.json"),
+    )
+    return RolloutWorker(PromptCursor(records, epochs=None), loop, sink, wcfg, router)

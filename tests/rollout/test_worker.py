@@ -130,3 +130,17 @@ def test_engine_killed_mid_request_the_prompt_is_reissued_and_pushed_once(
     assert status["engines"][victim.url]["failures"] >= 1 and not status["engines"][victim.url]["healthy"]
     assert router.stats()[engines[1].url]["requests"] > n // 2  # the survivor took over the re-issued work
     assert victim.proc.poll() is not None
+
+
+def test_worker_from_config_rolls_out_on_an_engine(engine_url: str, tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
+    from megatron_sao.config import load_config
+    from megatron_sao.rollout.worker import worker_from_config
+
+    cfg = load_config(None, ["--model.hf_path", str(tiny_dirs["qwen3_moe"]), "--rollout.env.name", "verifiable_answer",
+                             "--rollout.sampling.max_new_tokens", "8", "--algo.name", "grpo",
+                             "--algo.grpo.group_size", "2", "--launch.run_dir", str(tmp_path)])  # fmt: skip
+    sink = InMemorySink()
+    worker = worker_from_config(cfg, sink, [engine_url])
+    status = worker.run(max_prompts=3)
+    assert status["trajectories"] == 6 and (tmp_path / "rollout_cursor.json").is_file()
+    assert all(t.num_action_tokens <= 8 and t.header.engine_id == engine_url for t in sink.items)
