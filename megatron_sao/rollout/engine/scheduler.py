@@ -63,7 +63,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[Request] = []
-        self._updates: list[tuple[ReceivedUpdate, threading.Event]] = []
+        self._updates: list[tuple[ReceivedUpdate, threading.Event, list[BaseException]]] = []
         self._paused = False
         self._stopped = False
         self.stats = {"generated_tokens": 0, "decode_steps": 0, "prefills": 0, "finished": 0, "aborted": 0}
@@ -118,12 +118,14 @@ class Scheduler:
 
     def apply_update(self, update: ReceivedUpdate, timeout_s: float = 600.0) -> None:
         """Hand a received update to the scheduler thread and wait until it is applied at a token boundary."""
-        applied = threading.Event()
+        applied, errors = threading.Event(), []
         with self._cv:
-            self._updates.append((update, applied))
+            self._updates.append((update, applied, errors))
             self._cv.notify_all()
         if not applied.wait(timeout_s):
             raise TimeoutError(f"weight update not applied within {timeout_s}s (scheduler stuck?)")
+        if errors:
+            raise RuntimeError(f"applying the weight update failed: {errors[0]!r}") from errors[0]
 
     def load(self) -> dict[str, Any]:
         with self._cv:
@@ -150,10 +152,8 @@ class Scheduler:
                 if self._stopped:
                     return
                 updates, self._updates = self._updates, []
-                for update, applied in updates:  # token boundary: no forward is running
-                    self.updater.apply(update)
-                    if update.weight_version is not None:
-                        self.weight_version = update.weight_version
+                for update, applied, errors in updates:  # token boundary: no forward is running
+                    self._apply(update, errors)
                     applied.set()
                 if self._paused:
                     continue
@@ -170,6 +170,19 @@ class Scheduler:
                     for r in [*admitted, *batch]:
                         self._drop(r)
                         self._finish(r, {"type": "abort", "message": f"engine error: {e!r}", "status_code": 500})
+
+    def _apply(self, update: ReceivedUpdate, errors: list[BaseException]) -> None:
+        try:
+            self.updater.apply(update)
+        except (RuntimeError, ValueError) as e:  # handed to the HTTP caller; the version is not bumped
+            log.exception("applying a weight update failed")
+            errors.append(e)
+            return
+        if update.weight_version is not None:
+            self.weight_version = update.weight_version
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def _admit(self) -> list[Request]:
         admitted = []

@@ -41,7 +41,7 @@ class EngineState:
         if path == P.GENERATE and method in ("POST", "PUT"):
             return self.generate.handle(body)
         if path in (P.HEALTH, P.HEALTH_GENERATE):
-            return 200, ""
+            return (200, "") if s.alive() else (503, "scheduler thread is not running\n")
         if path in (P.MODEL_INFO, P.GET_MODEL_INFO):
             return 200, {**self.model_info, "weight_version": s.weight_version}
         if path in (P.GET_WEIGHT_VERSION, "/weight_version"):
@@ -112,13 +112,13 @@ class _Handler(BaseHTTPRequestHandler):
         raw = self.rfile.read(length) if length else b""
         try:
             body = json.loads(raw) if raw.strip() else {}
-            if not isinstance(body, (dict, list)):
+            if not isinstance(body, dict):
                 raise ValueError("the request body must be a JSON object")
         except ValueError as e:
             self._reply(400, {"error": {"message": f"invalid JSON body: {e}"}})
             return
         path = urlparse(self.path).path
-        status, out = self.state.route(method, path, body if isinstance(body, dict) else {"_list": body})
+        status, out = self.state.route(method, path, body)
         self._reply(status, out)
 
     def _reply(self, status: int, out: Any) -> None:

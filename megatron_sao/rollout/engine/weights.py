@@ -11,12 +11,16 @@ with the trainer, then rejects the whole update without touching the model.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from megatron_sao.rollout.engine.hf_names import Target, resolve
+
+GROUP_TIMEOUT_S = 300.0
+"""Joining the group and each broadcast give up after this long (the trainer must join / send within it)."""
 
 
 class WeightUpdateError(ValueError):
@@ -64,6 +68,7 @@ class WeightUpdater:
             init_method=f"tcp://{master_address}:{master_port}",
             world_size=world_size,
             rank=rank_offset,
+            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
         )
         self.group_name = group_name
         return f"joined update group {group_name!r} as rank {rank_offset} of {world_size}"
