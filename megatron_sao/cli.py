@@ -4,6 +4,7 @@ config show FILE [--section.key VALUE ...]   print the resolved config tree
 config check FILE [...]                      validate only (exit 2 with the errors)
 platform                                     list the CPU platform patches and whether they apply here
 smoke                                        build and train a tiny megatron-core MoE model for a few steps
+engine --model DIR --port N [...]            embedded CPU engine speaking SGLang's HTTP API (rollout/engine/)
 """
 
 from __future__ import annotations
@@ -64,6 +65,13 @@ def _smoke(ns: argparse.Namespace, rest: list[str]) -> int:
     from megatron_sao.smoke import main as smoke_main
 
     return smoke_main(rest)
+
+
+@command("engine")
+def _engine(ns: argparse.Namespace, rest: list[str]) -> int:
+    from megatron_sao.rollout.engine.cli import main as engine_main
+
+    return engine_main(rest)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

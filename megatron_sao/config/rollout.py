@@ -25,11 +25,42 @@ class SGLangServerConfig(Section):
     """How `python -m sglang.launch_server` is started for each engine (GPU clusters)."""
 
     tp: int = Field(default=1, ge=1)
+    """--tp-size: tensor-parallel GPUs per engine."""
+
     dp: int = Field(default=1, ge=1)
+    """--dp-size: data-parallel replicas inside one engine (weight updates from distributed need dp=1)."""
+
     ep: int = Field(default=1, ge=1)
+    """--ep-size: expert-parallel size (within the tp GPUs)."""
+
     mem_fraction_static: float = Field(default=0.85, gt=0.0, lt=1.0)
+    """--mem-fraction-static: GPU memory for weights + KV cache."""
+
+    skip_tokenizer_init: bool = False
+    """--skip-tokenizer-init: the server loads no tokenizer and answers output_ids only (we never need its text)."""
+
+    weight_version: str = "0"
+    """--weight-version: the version string of the launch weights (the learner pushes str(step) after that)."""
+
+    gpus_per_node: int = Field(default=8, ge=1)
+    """Engines on one node get --base-gpu-id 0, tp*dp, 2*tp*dp, ... modulo this."""
+
     extra_args: list[str] = Field(default_factory=list)
     """Appended verbatim to the launch command."""
+
+
+class EmbeddedEngineConfig(Section):
+    """The CPU engine (`python -m megatron_sao engine`) used when rollout.engine = embedded."""
+
+    max_running_requests: int = Field(default=32, ge=1)
+    """KV slots: requests decoded together in one batch."""
+
+    threads: int | None = Field(default=None, ge=1)
+    """torch intra-op threads per engine process (None: torch's default)."""
+
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    context_length: int | None = Field(default=None, gt=0)
+    """Longest sequence per request; None uses the model's max_position_embeddings."""
 
 
 class EnvConfig(Section):
@@ -58,6 +89,7 @@ class RolloutConfig(Section):
     """Already running engines (http://host:port); when set, nothing is launched."""
 
     sglang: SGLangServerConfig = Field(default_factory=SGLangServerConfig)
+    embedded: EmbeddedEngineConfig = Field(default_factory=EmbeddedEngineConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
 
@@ -69,4 +101,19 @@ class RolloutConfig(Section):
     """Episode token limit (prompt + all turns); must not exceed model.max_seq_len."""
 
     request_timeout_s: float = Field(default=600.0, gt=0.0)
+    """One /generate call; past it the request is aborted and re-issued on another engine."""
+
     max_retries: int = Field(default=3, ge=0)
+    """HTTP retries (exponential back-off) of a call that could not reach its engine."""
+
+    max_episode_attempts: int = Field(default=3, ge=1)
+    """Times an episode is started from scratch when no engine could finish it (then it is counted as failed)."""
+
+    health_timeout_s: float = Field(default=900.0, gt=0.0)
+    """Launched engines must answer /health within this time."""
+
+    log_interval_s: float = Field(default=30.0, gt=0.0)
+    """Period of the worker's throughput / engine-health log line (and of saving the prompt cursor)."""
+
+    cursor_state: str | None = None
+    """File keeping the prompt cursor across restarts; None: <launch.run_dir>/rollout_cursor.json."""

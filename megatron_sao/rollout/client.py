@@ -1,0 +1,282 @@
+"""HTTP client of one SGLang engine (real server or the embedded engine) and a router over many (owned by rollout/;
+used by agent_loop.py and worker.py for generation, by the weight-sync side for pause / update / continue).
+
+Transport is the standard library (http.client), one connection per call, JSON bodies; nothing is pickled.
+Retries: calls that fail before any response (connection refused / reset: an engine restarting) are retried with
+exponential back-off; a /generate that times out is aborted on the engine (`/abort_request` with its rid) and
+raised as EngineTimeout so the router can re-issue it elsewhere.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+from megatron_sao.rollout import protocol as P
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """An engine answered with an error status (the message carries its body)."""
+
+    def __init__(self, url: str, status: int, body: Any) -> None:
+        super().__init__(f"{url}: HTTP {status}: {body}")
+        self.url, self.status, self.body = url, status, body
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keeps it intact across process boundaries (multiprocessing queues)
+        return (type(self), (self.url, self.status, self.body))
+
+
+class EngineUnavailable(ConnectionError):
+    """The engine could not be reached (refused, reset, died mid-request), after the retries."""
+
+
+class EngineTimeout(TimeoutError):
+    """A request did not finish in time; the engine was asked to abort it."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_retries: int = 3
+    backoff_s: float = 0.2
+    max_backoff_s: float = 5.0
+
+    def delays(self) -> list[float]:
+        return [min(self.backoff_s * 2**i, self.max_backoff_s) for i in range(self.max_retries)]
+
+
+class SGLangClient:
+    """Client of the SGLang native API at `url` (http://host:port)."""
+
+    def __init__(self, url: str, *, timeout_s: float = 600.0, retry: RetryPolicy | None = None) -> None:
+        u = urlparse(url if "://" in url else f"http://{url}")
+        if u.scheme != "http" or not u.hostname or not u.port:
+            raise ValueError(f"engine url {url!r}: expected http://HOST:PORT")
+        self.url = f"http://{u.hostname}:{u.port}"
+        self._host, self._port = u.hostname, u.port
+        self.timeout_s = timeout_s
+        self.retry = retry or RetryPolicy()
+
+    # ---- transport ----------------------------------------------------------------------------------------------
+    def _once(self, method: str, path: str, body: Any, timeout_s: float) -> tuple[int, Any]:
+        conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
+        try:
+            data = None if body is None else json.dumps(body).encode()
+            headers = {"Content-Type": "application/json"} if data is not None else {}
+            conn.request(method, path, body=data, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+        finally:
+            conn.close()
+        ctype = resp.getheader("Content-Type", "")
+        return resp.status, json.loads(raw) if raw and "json" in ctype else raw.decode(errors="replace")
+
+    def request(self, method: str, path: str, body: Any = None, *, timeout_s: float | None = None) -> Any:
+        """One call with retries on connection failures; EngineError on a non-2xx answer."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        for attempt, delay in enumerate([*self.retry.delays(), None]):
+            try:
+                status, out = self._once(method, path, body, timeout)
+                break
+            except (ConnectionRefusedError, ConnectionResetError, http.client.RemoteDisconnected) as e:
+                if delay is None:
+                    raise EngineUnavailable(f"{self.url}{path}: {e!r} after {attempt} retries") from e
+                time.sleep(delay)
+        if not 200 <= status < 300:
+            raise EngineError(self.url, status, out)
+        return out
+
+    # ---- generation ---------------------------------------------------------------------------------------------
+    def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        *,
+        rid: str | None = None,
+        timeout_s: float | None = None,
+    ) -> P.GenerateResult:
+        """Token-in/token-out generation of one sequence with per-token log-probs and weight versions."""
+        rid = rid or uuid.uuid4().hex
+        body = P.build_generate_request(input_ids, sampling_params, rid=rid)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            out = self.request("POST", P.GENERATE, body, timeout_s=timeout)
+        except TimeoutError as e:
+            self._abort_quietly(rid)
+            raise EngineTimeout(f"{self.url}: request {rid} exceeded {timeout:.1f}s; aborted it") from e
+        except (http.client.IncompleteRead, BrokenPipeError) as e:
+            raise EngineUnavailable(f"{self.url}: connection lost during request {rid}: {e!r}") from e
+        return P.parse_generate_response(out)
+
+    def _abort_quietly(self, rid: str) -> None:
+        try:
+            self.abort(rid)
+        except (OSError, EngineError) as e:  # the engine may be gone; the timeout is what gets reported
+            log.warning("abort of %s on %s failed: %r", rid, self.url, e)
+
+    def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+        body = {"rid": rid or "", "abort_all": abort_all}
+        self.request("POST", P.ABORT_REQUEST, body, timeout_s=10.0)
+
+    # ---- status -------------------------------------------------------------------------------------------------
+    def health(self, timeout_s: float = 5.0) -> bool:
+        """True when /health answers 200 (one try, no retries)."""
+        try:
+            status, _ = self._once("GET", P.HEALTH, None, timeout_s)
+        except OSError:
+            return False
+        return status == 200
+
+    def model_info(self) -> dict[str, Any]:
+        """/model_info (newer servers), falling back to /get_model_info (older ones)."""
+        try:
+            return self.request("GET", P.MODEL_INFO, timeout_s=10.0)
+        except EngineError as e:
+            if e.status != 404:
+                raise
+        return self.request("GET", P.GET_MODEL_INFO, timeout_s=10.0)
+
+    def weight_version(self) -> int:
+        """Current weight version: /model_info's weight_version, else the older /get_weight_version."""
+        info = self.model_info()
+        if "weight_version" in info:
+            return P.version_to_int(info["weight_version"])
+        return P.version_to_int(self.request("GET", P.GET_WEIGHT_VERSION, timeout_s=10.0)["weight_version"])
+
+    # ---- control around weight updates --------------------------------------------------------------------------
+    def pause_generation(self, mode: str = "in_place") -> None:
+        """mode: in_place (keep requests and their KV), retract (requeue, recompute), abort (finish them as aborted)."""
+        self.request("POST", P.PAUSE_GENERATION, {"mode": mode}, timeout_s=60.0)
+
+    def continue_generation(self) -> None:
+        self.request("POST", P.CONTINUE_GENERATION, {}, timeout_s=60.0)
+
+    def flush_cache(self) -> bool:
+        try:
+            self.request("POST", P.FLUSH_CACHE, timeout_s=60.0)
+        except EngineError as e:
+            if e.status == 400:
+                return False
+            raise
+        return True
+
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+    ) -> dict[str, Any]:
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return self.request("POST", P.INIT_WEIGHTS_UPDATE_GROUP, body)
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        *,
+        group_name: str,
+        weight_version: int | str | None = None,
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
+        body = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "weight_version": None if weight_version is None else str(weight_version),
+        }
+        return self.request("POST", P.UPDATE_WEIGHTS_FROM_DISTRIBUTED, body)
+
+    def destroy_weights_update_group(self, group_name: str) -> dict[str, Any]:
+        return self.request("POST", P.DESTROY_WEIGHTS_UPDATE_GROUP, {"group_name": group_name})
+
+
+class NoHealthyEngine(RuntimeError):
+    """Every engine is marked down (or was tried) for this request."""
+
+
+class EngineRouter:
+    """Spreads /generate calls over engines by outstanding load; fails a request over to another engine when its
+    engine is unreachable or times out. Down engines are probed again by `check_health()`."""
+
+    def __init__(self, clients: list[SGLangClient]) -> None:
+        if not clients:
+            raise ValueError("EngineRouter needs at least one engine (rollout.engine_urls or launched engines)")
+        self.clients = clients
+        self._lock = threading.Lock()
+        self._outstanding = {c.url: 0 for c in clients}
+        self._healthy = {c.url: True for c in clients}
+        self._counts = {c.url: {"requests": 0, "failures": 0, "tokens": 0} for c in clients}
+
+    @classmethod
+    def from_urls(cls, urls: list[str], **client_kwargs: Any) -> EngineRouter:
+        return cls([SGLangClient(u, **client_kwargs) for u in urls])
+
+    def _pick(self, exclude: set[str]) -> SGLangClient:
+        with self._lock:
+            live = [c for c in self.clients if self._healthy[c.url] and c.url not in exclude]
+            if not live:
+                raise NoHealthyEngine(f"no healthy engine left (down: {self.down()}, tried: {sorted(exclude)})")
+            best = min(live, key=lambda c: self._outstanding[c.url])
+            self._outstanding[best.url] += 1
+            self._counts[best.url]["requests"] += 1
+            return best
+
+    def _done(self, client: SGLangClient, ok: bool, tokens: int = 0) -> None:
+        with self._lock:
+            self._outstanding[client.url] -= 1
+            self._counts[client.url]["tokens"] += tokens
+            if not ok:
+                self._counts[client.url]["failures"] += 1
+                self._healthy[client.url] = False
+
+    def generate(
+        self, input_ids: list[int], sampling_params: dict[str, Any], *, timeout_s: float | None = None
+    ) -> tuple[P.GenerateResult, str]:
+        """Generate on the least-loaded healthy engine, failing over; returns (result, engine url)."""
+        tried: set[str] = set()
+        while True:
+            client = self._pick(tried)
+            tried.add(client.url)
+            try:
+                result = client.generate(input_ids, sampling_params, timeout_s=timeout_s)
+            except (EngineUnavailable, EngineTimeout) as e:
+                log.warning("engine %s failed (%s); re-issuing on another engine", client.url, e)
+                self._done(client, ok=False)
+                continue
+            except BaseException:
+                self._done(client, ok=True)
+                raise
+            self._done(client, ok=True, tokens=len(result.output_ids))
+            return result, client.url
+
+    def check_health(self) -> dict[str, bool]:
+        """Probe every engine; a down engine that answers again is taken back."""
+        status = {c.url: c.health() for c in self.clients}
+        with self._lock:
+            self._healthy.update(status)
+        return status
+
+    def down(self) -> list[str]:
+        return sorted(u for u, ok in self._healthy.items() if not ok)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                u: {**self._counts[u], "outstanding": self._outstanding[u], "healthy": self._healthy[u]}
+                for u in self._outstanding
+            }

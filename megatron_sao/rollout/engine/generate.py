@@ -1,0 +1,163 @@
+"""/generate of the embedded engine: request validation and response building in SGLang's format (owned by
+engine/; called by engine/server.py, feeds engine/scheduler.py).
+
+Accepted: `input_ids` (one list, or a list of lists for a batch) or, when the engine has a tokenizer, `text`;
+`sampling_params` with the keys in SUPPORTED below; `return_logprob`, `return_text_in_logprobs`, `rid`,
+`logprob_start_len` (-1 only), `top_logprobs_num` (0 only), `stream` (false only). SGLang keys the engine cannot
+honour (stop strings, grammars, penalties, n > 1, ...) are rejected with a 400 naming the key, never ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from megatron_sao.rollout.engine.model_runner import SamplingParams
+from megatron_sao.rollout.engine.scheduler import Request, Scheduler
+
+SUPPORTED = {
+    "max_new_tokens": int,
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "min_p": float,
+    "stop_token_ids": list,
+    "ignore_eos": bool,
+    "sampling_seed": int,
+}
+TEXT_ONLY = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}  # affect detokenized text only
+NEUTRAL_DEFAULTS = {"n": 1, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+                    "min_new_tokens": 0, "stop": None, "regex": None, "json_schema": None, "ebnf": None}  # fmt: skip
+TOP_LEVEL = {"input_ids", "text", "sampling_params", "return_logprob", "return_text_in_logprobs", "rid", "stream",
+             "logprob_start_len", "top_logprobs_num"}  # fmt: skip
+
+
+def sampling_from_json(sp: dict[str, Any], vocab_size: int) -> SamplingParams:
+    """Validate SGLang sampling_params into SamplingParams; ValueError names the offending key."""
+    kwargs: dict[str, Any] = {}
+    for key, value in sp.items():
+        if key in SUPPORTED:
+            if value is None:
+                continue
+            kwargs[key] = tuple(int(t) for t in value) if key == "stop_token_ids" else SUPPORTED[key](value)
+        elif key in NEUTRAL_DEFAULTS:
+            if value not in (NEUTRAL_DEFAULTS[key], None, [], ""):
+                raise ValueError(f"sampling_params.{key}={value!r} is not supported by the embedded engine")
+        elif key not in TEXT_ONLY:
+            raise ValueError(f"unknown sampling_params key {key!r}; supported: {sorted(SUPPORTED)}")
+    p = SamplingParams(**kwargs)
+    if p.temperature < 0 or not 0 < p.top_p <= 1 or not 0 <= p.min_p <= 1 or p.max_new_tokens < 0:
+        raise ValueError(f"invalid sampling params {sp}: need temperature >= 0, 0 < top_p <= 1, 0 <= min_p <= 1")
+    if p.top_k == 0 or p.top_k < -1:
+        raise ValueError(f"top_k must be -1 (disable) or at least 1, got {p.top_k}")
+    if any(not 0 <= t < vocab_size for t in p.stop_token_ids):
+        raise ValueError(f"stop_token_ids {list(p.stop_token_ids)} outside the vocabulary [0, {vocab_size})")
+    return p
+
+
+def version_spans(versions: list[str], current: str) -> list[dict[str, Any]]:
+    """Per-token versions -> SGLang's meta_info.weight_versions spans over the output tokens."""
+    if not versions:
+        return [{"version": current, "start": 0, "end": 0}]
+    spans: list[dict[str, Any]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": v, "start": i, "end": i + 1})
+    return spans
+
+
+class GenerateHandler:
+    def __init__(self, scheduler: Scheduler, tokenizer: Any, vocab_size: int) -> None:
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+
+    def handle(self, body: dict[str, Any]) -> tuple[int, Any]:
+        try:
+            reqs, opts, single = self._parse(body)
+        except (ValueError, TypeError) as e:
+            return 400, {"error": {"message": str(e)}}
+        t0 = time.monotonic()
+        for r in reqs:
+            self.scheduler.submit(r)
+        for r in reqs:
+            r.done.wait()
+        out = [self._response(r, opts, time.monotonic() - t0) for r in reqs]
+        return 200, out[0] if single else out
+
+    def _parse(self, body: dict[str, Any]) -> tuple[list[Request], dict[str, bool], bool]:
+        unknown = set(body) - TOP_LEVEL
+        if unknown:
+            raise ValueError(f"/generate fields {sorted(unknown)} are not supported by the embedded engine")
+        if body.get("stream"):
+            raise ValueError("stream=true is not supported by the embedded engine; send stream=false")
+        if body.get("logprob_start_len", -1) not in (-1, None) or body.get("top_logprobs_num") not in (0, None):
+            raise ValueError("only output-token logprobs are served (logprob_start_len=-1, top_logprobs_num=0)")
+        batch = self._input_batch(body)
+        single = not isinstance(batch[0], list)
+        batch = [batch] if single else batch
+        sps = body.get("sampling_params") or {}
+        sps = sps if isinstance(sps, list) else [sps] * len(batch)
+        rids = body.get("rid")
+        if rids is None:
+            rids = [uuid.uuid4().hex for _ in batch]
+        elif isinstance(rids, str):
+            rids = [rids] if single else [f"{rids}_{i}" for i in range(len(batch))]
+        if not len(sps) == len(rids) == len(batch):
+            raise ValueError("sampling_params / rid lists must have one entry per input")
+        reqs = []
+        for ids, sp, rid in zip(batch, sps, rids):
+            self._check_ids(ids)
+            reqs.append(Request(str(rid), list(ids), sampling_from_json(sp, self.vocab_size)))
+        opts = {"logprob": bool(body.get("return_logprob")), "text": bool(body.get("return_text_in_logprobs"))}
+        return reqs, opts, single
+
+    def _input_batch(self, body: dict[str, Any]) -> list:
+        if body.get("input_ids") is not None:
+            if not body["input_ids"]:
+                raise ValueError("input_ids cannot be empty.")
+            return body["input_ids"]
+        if body.get("text") is None:
+            raise ValueError("Either text or input_ids should be provided.")
+        if self.tokenizer is None:
+            raise ValueError(
+                "this engine serves token-in/token-out (no tokenizer / --skip-tokenizer-init): send input_ids"
+            )
+        texts = body["text"]
+        encode = lambda t: self.tokenizer(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+        return encode(texts) if isinstance(texts, str) else [encode(t) for t in texts]
+
+    def _check_ids(self, ids: list[int]) -> None:
+        if not ids or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"input_ids must be non-empty ints in [0, {self.vocab_size})")
+        ctx = self.scheduler.context_len
+        if len(ids) >= ctx:
+            raise ValueError(f"The input ({len(ids)} tokens) is longer than the model's context length ({ctx} tokens).")
+
+    def _response(self, r: Request, opts: dict[str, bool], latency: float) -> dict[str, Any]:
+        n = len(r.output_ids)
+        current = r.output_versions[-1] if r.output_versions else self.scheduler.weight_version
+        meta: dict[str, Any] = {
+            "id": r.rid,
+            "finish_reason": r.finish_reason,
+            "prompt_tokens": len(r.input_ids),
+            "weight_version": current,
+            "completion_tokens": n,
+            "cached_tokens": 0,
+            "weight_versions": version_spans(r.output_versions, current),
+            "e2e_latency": latency,
+        }
+        if opts["logprob"]:
+            texts = [None] * n
+            if opts["text"] and self.tokenizer is not None:
+                texts = [self.tokenizer.decode([t]) for t in r.output_ids]
+            meta["input_token_logprobs"] = []
+            meta["output_token_logprobs"] = [[lp, t, s] for lp, t, s in zip(r.output_logprobs, r.output_ids, texts)]
+            meta["output_token_logprobs_length"] = n
+        out: dict[str, Any] = {"output_ids": list(r.output_ids), "meta_info": meta}
+        if self.tokenizer is not None:
+            out["text"] = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        return out

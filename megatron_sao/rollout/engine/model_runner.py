@@ -1,0 +1,142 @@
+"""The embedded engine's model: loading an HF checkpoint, batched forward passes over the slot KV cache, sampling
+and per-token log-probs (owned by engine/; called only by engine/scheduler.py).
+
+Log-prob semantics (the same as SGLang's default sampler, layers/sampler.py in 0.5.23): for a sampled request the
+reported log-prob of token t is `log_softmax(logits / temperature)[t]`, i.e. under the temperature-scaled
+distribution **before** top-k / top-p / min-p truncation; for a greedy request (temperature < 1e-5) it is
+`log_softmax(logits)[t]` of the unscaled logits. The learner recomputes `logp_theta` at the same temperature.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+GREEDY_EPS = 1e-5  # SGLang's _SAMPLING_EPS: temperatures below it mean greedy
+
+
+@dataclass
+class SamplingParams:
+    """The subset of SGLang's sampling_params the embedded engine honours (see protocol.SAMPLING_PARAM_FIELDS)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+
+def load_hf_model(model_dir: str | Path, dtype: str = "auto") -> torch.nn.Module:
+    """AutoModelForCausalLM from a local directory, eval mode, no grad. dtype: auto | float32 | bfloat16."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} has no config.json; pass an HF model directory (tools/make_tiny_model.py makes one)")
+    torch_dtype = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    if torch_dtype is None:
+        raise ValueError(f"dtype={dtype!r}; use auto, float32 or bfloat16")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def eos_token_ids(model_dir: str | Path, model: torch.nn.Module) -> tuple[int, ...]:
+    """EOS ids from generation_config.json, else config.json (an int or a list)."""
+    eos = None
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+
+
+def build_mask(starts: list[int], q_len: int, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive 4-D mask [B, 1, q_len, kv_len]: query i of row b sees keys j <= starts[b] + i (0), else finfo.min.
+
+    It hides both the future (causality) and the padding of rows shorter than kv_len in the gathered slot cache.
+    """
+    starts_t = torch.tensor(starts, dtype=torch.long).view(-1, 1, 1)
+    q_pos = torch.arange(q_len).view(1, -1, 1) + starts_t  # [B, q, 1]
+    k_pos = torch.arange(kv_len).view(1, 1, -1)  # [1, 1, kv]
+    visible = k_pos <= q_pos  # [B, q, kv]
+    mask = torch.zeros(visible.shape, dtype=dtype)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask.unsqueeze(1)
+
+
+class ModelRunner:
+    """Runs forward passes of one HF causal LM over a SlotKVCache."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.dtype = next(model.parameters()).dtype
+        self.vocab_size = int(model.config.vocab_size)
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    @torch.no_grad()
+    def forward(self, cache, slots: list[int], starts: list[int], input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, q] (row b continues slot slots[b] at position starts[b]) -> last logits [B, V] fp32."""
+        b, q = input_ids.shape
+        kv_len = cache.begin(slots, starts, q)
+        position_ids = torch.arange(q).view(1, -1) + torch.tensor(starts, dtype=torch.long).view(-1, 1)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=build_mask(starts, q, kv_len, self.dtype),
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kw: cache},
+        )
+        return out.logits[:, -1, :].float()
+
+
+def _truncate(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Zero the probabilities outside top-k / top-p / min-p (probs [V], already temperature-scaled)."""
+    if 0 < p.top_k < probs.shape[-1]:
+        kth = torch.topk(probs, p.top_k).values[-1]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if p.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        keep_sorted = (torch.cumsum(sorted_p, 0) - sorted_p) < p.top_p  # always keeps the most likely token
+        keep = torch.zeros_like(keep_sorted).scatter(0, order, keep_sorted)
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+    if p.min_p > 0.0:
+        probs = torch.where(probs >= p.min_p * probs.max(), probs, torch.zeros_like(probs))
+    return probs
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> tuple[list[int], list[float]]:
+    """logits [B, V] fp32 -> (token ids [B], log-probs [B]) with the semantics in the module docstring."""
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    for row, p, gen in zip(logits, params, generators):
+        if p.greedy:
+            tok = int(torch.argmax(row))
+            lp = torch.log_softmax(row, dim=-1)[tok]
+        else:
+            logp = torch.log_softmax(row / p.temperature, dim=-1)
+            probs = _truncate(logp.exp(), p)
+            tok = int(torch.multinomial(probs, 1, generator=gen))
+            lp = logp[tok]
+        tokens.append(tok)
+        logprobs.append(float(lp))
+    return tokens, logprobs

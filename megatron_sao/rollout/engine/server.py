@@ -1,0 +1,208 @@
+"""The embedded engine's HTTP server: the subset of SGLang's native API the project uses, over a real HF model on
+CPU (owned by engine/; started by `python -m megatron_sao engine`, see main(); spoken to by rollout/client.py).
+
+Endpoints (paths and bodies as in SGLang 0.5.23, see protocol.py and docs/rollout.md): /generate, /health,
+/health_generate, /model_info, /get_model_info, /get_weight_version, /server_info, /pause_generation,
+/continue_generation, /flush_cache, /abort_request, /init_weights_update_group, /destroy_weights_update_group,
+/update_weights_from_distributed. Errors answer HTTP 400 with `{"error": {"message": ...}}` like SGLang.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from megatron_sao.rollout import protocol as P
+from megatron_sao.rollout.engine.generate import GenerateHandler
+from megatron_sao.rollout.engine.scheduler import Scheduler
+from megatron_sao.rollout.engine.weights import WeightUpdateError, WeightUpdater
+
+log = logging.getLogger(__name__)
+
+
+class EngineState:
+    """Everything the HTTP handlers need: the scheduler, the weight updater and static model facts."""
+
+    def __init__(
+        self, scheduler: Scheduler, updater: WeightUpdater, generate: GenerateHandler, model_info: dict
+    ) -> None:
+        self.scheduler = scheduler
+        self.updater = updater
+        self.generate = generate
+        self.model_info = model_info
+
+    # Each route returns (status, JSON-able body or str).
+    def route(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        s = self.scheduler
+        if path == P.GENERATE and method in ("POST", "PUT"):
+            return self.generate.handle(body)
+        if path in (P.HEALTH, P.HEALTH_GENERATE):
+            return (200, "") if s.alive() else (503, "scheduler thread is not running\n")
+        if path in (P.MODEL_INFO, P.GET_MODEL_INFO):
+            return 200, {**self.model_info, "weight_version": s.weight_version}
+        if path in (P.GET_WEIGHT_VERSION, "/weight_version"):
+            return 200, {"weight_version": s.weight_version}
+        if path == P.SERVER_INFO:
+            return 200, {**self.model_info, "engine": "megatron_sao.embedded", "load": s.load()}
+        if path == P.PAUSE_GENERATION and method == "POST":
+            s.pause(str(body.get("mode", "abort")))
+            return 200, {"message": "Generation paused successfully.", "status": "ok"}
+        if path == P.CONTINUE_GENERATION and method == "POST":
+            s.resume()
+            return 200, {"message": "Generation continued successfully.", "status": "ok"}
+        if path == P.FLUSH_CACHE:
+            # No prefix cache is kept between requests; like SGLang, refuse while requests are in flight.
+            if not s.idle():
+                return 400, "Flush cache failed: there are running or waiting requests.\n"
+            return 200, "Cache flushed.\n"
+        if path == P.ABORT_REQUEST and method == "POST":
+            s.abort(None if body.get("abort_all") else str(body.get("rid", "")))
+            return 200, ""
+        if path in (P.INIT_WEIGHTS_UPDATE_GROUP, P.DESTROY_WEIGHTS_UPDATE_GROUP, P.UPDATE_WEIGHTS_FROM_DISTRIBUTED):
+            return self._weights(path, body)
+        return 404, {"error": {"message": f"{method} {path} is not served by the embedded engine"}}
+
+    def _weights(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        try:
+            if path == P.INIT_WEIGHTS_UPDATE_GROUP:
+                msg = self.updater.init_group(
+                    str(body["master_address"]),
+                    int(body["master_port"]),
+                    int(body["rank_offset"]),
+                    int(body["world_size"]),
+                    str(body.get("group_name", "weight_update_group")),
+                    str(body.get("backend", "nccl")),
+                )
+            elif path == P.DESTROY_WEIGHTS_UPDATE_GROUP:
+                msg = self.updater.destroy_group(str(body.get("group_name", "weight_update_group")))
+            else:
+                msg = self._update_from_distributed(body)
+        except (WeightUpdateError, KeyError, TypeError, ValueError) as e:
+            return 400, {"success": False, "message": f"{type(e).__name__}: {e}"}
+        return 200, {"success": True, "message": msg}
+
+    def _update_from_distributed(self, body: dict[str, Any]) -> str:
+        if body.get("load_format") not in (None, "auto"):
+            raise WeightUpdateError(f"load_format={body['load_format']!r} is not supported; send tensors one by one")
+        if body.get("abort_all_requests"):
+            self.scheduler.abort(None, "Aborted by update_weights_from_distributed(abort_all_requests=True)")
+        version = body.get("weight_version")
+        update = self.updater.receive(
+            list(body["names"]),
+            list(body["dtypes"]),
+            [list(s) for s in body["shapes"]],
+            str(body.get("group_name", "weight_update_group")),
+            None if version is None else str(version),
+        )
+        self.scheduler.apply_update(update)
+        suffix = f" Weight version updated to {version}." if version is not None else ""
+        return f"Succeeded to update {len(update.tensors)} tensors in place.{suffix}"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    state: EngineState  # set on the subclass made by make_server
+
+    def _serve(self, method: str) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        try:
+            body = json.loads(raw) if raw.strip() else {}
+            if not isinstance(body, dict):
+                raise ValueError("the request body must be a JSON object")
+        except ValueError as e:
+            self._reply(400, {"error": {"message": f"invalid JSON body: {e}"}})
+            return
+        path = urlparse(self.path).path
+        status, out = self.state.route(method, path, body)
+        self._reply(status, out)
+
+    def _reply(self, status: int, out: Any) -> None:
+        data = out.encode() if isinstance(out, str) else json.dumps(out).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain" if isinstance(out, str) else "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self._serve("GET")
+
+    def do_POST(self) -> None:
+        self._serve("POST")
+
+    def do_PUT(self) -> None:
+        self._serve("PUT")
+
+    def log_message(self, fmt: str, *args: Any) -> None:
+        log.debug("%s " + fmt, self.address_string(), *args)
+
+
+def make_server(state: EngineState, host: str, port: int) -> ThreadingHTTPServer:
+    handler = type("EngineHandler", (_Handler,), {"state": state})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    return server
+
+
+def build_state(
+    model_dir: str,
+    *,
+    dtype: str = "auto",
+    max_running: int = 32,
+    context_length: int | None = None,
+    skip_tokenizer_init: bool = False,
+    weight_version: str = P.DEFAULT_WEIGHT_VERSION,
+) -> EngineState:
+    """Load the model (and tokenizer unless skipped or absent) and start the scheduler thread."""
+    from megatron_sao.rollout.engine.model_runner import ModelRunner, eos_token_ids, load_hf_model
+
+    model = load_hf_model(model_dir, dtype)
+    ctx = context_length or int(getattr(model.config, "max_position_embeddings", 4096))
+    tokenizer = None if skip_tokenizer_init else _maybe_tokenizer(model_dir)
+    updater = WeightUpdater(model)
+    scheduler = Scheduler(
+        ModelRunner(model),
+        updater,
+        max_running=max_running,
+        context_len=ctx,
+        eos_ids=eos_token_ids(model_dir, model),
+        weight_version=weight_version,
+    )
+    info = {
+        "model_path": str(model_dir),
+        "tokenizer_path": str(model_dir) if tokenizer is not None else None,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "model_type": getattr(model.config, "model_type", None),
+        "architectures": getattr(model.config, "architectures", None),
+        "context_length": ctx,
+        "skip_tokenizer_init": tokenizer is None,
+    }
+    scheduler.start()
+    return EngineState(scheduler, updater, GenerateHandler(scheduler, tokenizer, model.config.vocab_size), info)
+
+
+def _maybe_tokenizer(model_dir: str) -> Any:
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if not any((Path(model_dir) / n).is_file() for n in names):
+        log.info("%s has no tokenizer files: serving token-in/token-out (like --skip-tokenizer-init)", model_dir)
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def serve(state: EngineState, host: str, port: int) -> None:
+    server = make_server(state, host, port)
+    log.info("embedded engine serving %s on http://%s:%d", state.model_info["model_path"], host, port)
+    print(f"engine ready on http://{host}:{server.server_address[1]}", flush=True)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    finally:
+        server.server_close()
+        state.scheduler.stop()

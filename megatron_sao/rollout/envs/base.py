@@ -1,0 +1,106 @@
+"""The environment plug-in interface and registry (owned by envs/; the agent loop drives episodes, the worker and
+tools/make_prompts.py look environments up by name).
+
+An environment is a class with a `name`, built from `rollout.env.options` as keyword arguments:
+
+    class MyEnv(Environment):
+        name = "my_env"
+        def make_prompts(self, n, seed) -> list[dict]: ...      # JSONL records: {"id", "messages" | "prompt", ...}
+        def start(self, prompt: dict) -> Episode: ...           # one Episode per rollout
+
+    class MyEpisode(Episode):
+        def step(self, action_text: str) -> StepResult: ...     # after each generated turn: observation or done
+        def reward(self) -> float: ...                          # terminal reward, when the episode has ended
+
+Register it with `@register` (built-ins), or name it by import path in the config: `rollout.env.name: "pkg.mod:MyEnv"`.
+Episodes see decoded text only for parsing; the agent loop owns every token (see agent_loop.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from megatron_sao.bus.schema import MetadataValue
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the environment answers after a generated turn."""
+
+    done: bool
+    observation: str | None = None  # text appended as the next (non-action) message when not done
+    reward: float | None = None  # optional per-turn reward (recorded on the Turn)
+
+
+@dataclass
+class Episode(ABC):
+    """One rollout's environment state. `messages` is the chat the first turn is generated from."""
+
+    messages: list[dict[str, str]]
+    metadata: dict[str, MetadataValue] = field(default_factory=dict)  # copied into the trajectory header
+    weight_version: int = 0  # newest weight version among the generated tokens; set by the agent loop before reward()
+
+    @abstractmethod
+    def step(self, action_text: str) -> StepResult: ...
+
+    @abstractmethod
+    def reward(self) -> float: ...
+
+
+class Environment(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, **options: Any) -> None:
+        if options:
+            raise ValueError(f"environment {self.name!r} takes no options {sorted(options)}")
+
+    @abstractmethod
+    def make_prompts(self, n: int, seed: int = 0) -> list[dict[str, Any]]:
+        """n prompt records for a JSONL file (each with a unique "id")."""
+
+    @abstractmethod
+    def start(self, prompt: dict[str, Any]) -> Episode:
+        """A fresh episode for one prompt record."""
+
+
+REGISTRY: dict[str, type[Environment]] = {}
+
+
+def register(cls: type[Environment]) -> type[Environment]:
+    if cls.name in REGISTRY and REGISTRY[cls.name] is not cls:
+        raise ValueError(f"environment name {cls.name!r} is already registered by {REGISTRY[cls.name]}")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def env_class(name: str) -> type[Environment]:
+    """A registered name (arithmetic, style_preference, verifiable_answer) or an import path `module:Class`."""
+    import megatron_sao.rollout.envs  # noqa: F401 - registers the built-ins
+
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        cls = getattr(importlib.import_module(module), attr, None)
+        if not (isinstance(cls, type) and issubclass(cls, Environment)):
+            raise ValueError(f"{name!r} is not an Environment subclass")
+        return cls
+    if name not in REGISTRY:
+        raise ValueError(f"unknown environment {name!r}; registered: {sorted(REGISTRY)}, or use 'module:Class'")
+    return REGISTRY[name]
+
+
+def make_env(name: str, options: dict[str, Any] | None = None) -> Environment:
+    return env_class(name)(**(options or {}))
+
+
+def extract_tag(text: str, tag: str) -> str | None:
+    """Content of the last <tag>...</tag> in text, stripped (None when absent)."""
+    start = text.rfind(f"<{tag}>")
+    if start < 0:
+        return None
+    end = text.find(f"</{tag}>", start)
+    if end < 0:
+        return None
+    return text[start + len(tag) + 2 : end].strip()

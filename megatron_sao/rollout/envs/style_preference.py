@@ -1,0 +1,89 @@
+"""Style preference with a switching target (registered as "style_preference"): online adaptation.
+
+One-turn writing prompts. The reward prefers one style — cute, chuunibyou or classical — and the preferred style
+switches on a schedule: every `period` weight versions (schedule="version", default: the step the learner is at,
+read from the newest version among the trajectory's tokens) or every `period` finished episodes of this
+environment object (schedule="episodes"). The active style is recorded in the trajectory metadata (`style`).
+Reward = hits of the active style's marker words / (1 + hits of the other styles' markers), capped at 1.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_sao.rollout.envs.base import Environment, Episode, StepResult, register
+
+STYLES = ("cute", "chuunibyou", "classical")
+MARKERS = {
+    "cute": ("cute", "nya", "uwu", "fluffy", "sparkle", "~"),
+    "chuunibyou": ("darkness", "sealed", "fate", "power", "eye", "awaken"),
+    "classical": ("thee", "thou", "hath", "doth", "verily", "ere"),
+}
+TOPICS = ("the sea", "a cat", "the moon", "a rainy day", "breakfast", "an old castle", "the wind", "a library")
+
+
+def style_score(text: str, style: str) -> float:
+    words = re.findall(r"[a-z]+|~", text.lower())
+    hits = {s: sum(words.count(m) for m in MARKERS[s]) for s in STYLES}
+    others = sum(v for s, v in hits.items() if s != style)
+    return min(1.0, hits[style] / (1.0 + others))
+
+
+@dataclass
+class StyleEpisode(Episode):
+    env: StylePreferenceEnv | None = None
+    text: str = ""
+
+    def step(self, action_text: str) -> StepResult:
+        self.text = action_text
+        return StepResult(done=True)
+
+    def reward(self) -> float:
+        assert self.env is not None
+        style = self.env.style_for(self)
+        self.metadata["style"] = style
+        return style_score(self.text, style)
+
+
+@register
+class StylePreferenceEnv(Environment):
+    name = "style_preference"
+
+    def __init__(self, period: int = 50, schedule: str = "version", styles: list[str] | None = None) -> None:
+        if schedule not in ("version", "episodes"):
+            raise ValueError(f"schedule={schedule!r}; use 'version' or 'episodes'")
+        if period < 1:
+            raise ValueError(f"period={period} must be >= 1")
+        self.styles = tuple(styles or STYLES)
+        unknown = set(self.styles) - set(STYLES)
+        if unknown:
+            raise ValueError(f"unknown styles {sorted(unknown)}; known: {STYLES}")
+        self.period, self.schedule = period, schedule
+        self._finished = itertools.count()
+        self._lock = threading.Lock()
+
+    def active_style(self, clock: int) -> str:
+        """The preferred style at `clock` (a weight version or an episode count)."""
+        return self.styles[(clock // self.period) % len(self.styles)]
+
+    def style_for(self, episode: StyleEpisode) -> str:
+        if self.schedule == "episodes":
+            with self._lock:
+                return self.active_style(next(self._finished))
+        return self.active_style(episode.weight_version)
+
+    def make_prompts(self, n: int, seed: int = 0) -> list[dict[str, Any]]:
+        rng = random.Random(seed)
+        return [
+            {"id": f"style-{seed}-{i}", "prompt": f"Write one short sentence about {rng.choice(TOPICS)}."}
+            for i in range(n)
+        ]
+
+    def start(self, prompt: dict[str, Any]) -> StyleEpisode:
+        messages = prompt.get("messages") or [{"role": "user", "content": prompt["prompt"]}]
+        return StyleEpisode(messages=messages, metadata={"env": self.name}, env=self)

@@ -1,0 +1,127 @@
+"""Prompt records from JSONL files and a resumable cursor over them (owned by rollout/; the worker takes prompts
+from it, tools/make_prompts.py writes the files).
+
+A record is one JSON object per line with a unique "id" and what its environment needs: "messages" (a chat),
+"prompt" / "question" text, or "input_ids" (token-in/token-out, used as is), plus task fields (e.g. "answer").
+The cursor hands out (key, record) pairs epoch after epoch and remembers which were handed out but not completed;
+`state_dict()` / `save()` capture that, and a cursor loaded from it re-issues the pending prompts first, then
+continues where it stopped, so a restarted worker neither skips nor repeats a completed prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+from pathlib import Path
+from typing import Any
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    records = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not JSON ({e})") from e
+            if not isinstance(rec, dict) or "id" not in rec:
+                raise ValueError(f"{path}:{lineno}: each line must be an object with an 'id'")
+            records.append(rec)
+    ids = [str(r["id"]) for r in records]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{path}: duplicate prompt ids")
+    if not records:
+        raise ValueError(f"{path}: no prompts")
+    return records
+
+
+def write_jsonl(path: str | Path, records: list[dict[str, Any]]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for rec in records:
+            f.write(json.dumps(rec) + "\n")
+
+
+class PromptCursor:
+    """Thread-safe cursor: `take()` -> (key, record) or None when `epochs` are exhausted; `complete(key)`."""
+
+    def __init__(self, records: list[dict[str, Any]], *, epochs: int | None = 1, shuffle_seed: int | None = None):
+        if not records:
+            raise ValueError("PromptCursor needs at least one prompt")
+        self.records = records
+        self.epochs = epochs
+        self.shuffle_seed = shuffle_seed
+        self._lock = threading.Lock()
+        self._epoch, self._index = 0, 0
+        self._pending: dict[str, None] = {}  # handed out, not completed (insertion ordered)
+        self._redo: list[str] = []  # pending keys restored from a saved state, handed out first
+        self.completed = 0
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.records)))
+        if self.shuffle_seed is not None:
+            random.Random(self.shuffle_seed + epoch).shuffle(order)
+        return order
+
+    def record(self, key: str) -> dict[str, Any]:
+        """The record for a key "epoch:position"; its id gets "@epoch" after the first epoch (unique group ids)."""
+        epoch, pos = (int(x) for x in key.split(":"))
+        rec = dict(self.records[self._order(epoch)[pos]])
+        if epoch:
+            rec["id"] = f"{rec['id']}@{epoch}"
+        return rec
+
+    def take(self) -> tuple[str, dict[str, Any]] | None:
+        with self._lock:
+            if self._redo:
+                key = self._redo.pop(0)
+            else:
+                if self._index >= len(self.records):
+                    self._epoch, self._index = self._epoch + 1, 0
+                if self.epochs is not None and self._epoch >= self.epochs:
+                    return None
+                key = f"{self._epoch}:{self._index}"
+                self._index += 1
+            self._pending[key] = None
+            return key, self.record(key)
+
+    def complete(self, key: str) -> None:
+        with self._lock:
+            del self._pending[key]
+            self.completed += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "epoch": self._epoch,
+                "index": self._index,
+                "pending": [*self._redo, *self._pending],
+                "completed": self.completed,
+                "num_records": len(self.records),
+                "shuffle_seed": self.shuffle_seed,
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["num_records"] != len(self.records) or state.get("shuffle_seed") != self.shuffle_seed:
+            raise ValueError("saved cursor state belongs to another prompt file or shuffle seed; delete it to restart")
+        with self._lock:
+            self._epoch, self._index = int(state["epoch"]), int(state["index"])
+            self._redo = list(state["pending"])
+            self._pending = {}
+            self.completed = int(state["completed"])
+
+    def save(self, path: str | Path) -> None:
+        tmp = f"{path}.tmp"
+        Path(tmp).write_text(json.dumps(self.state_dict()))
+        os.replace(tmp, path)
+
+    def load(self, path: str | Path) -> bool:
+        """Restore from `path` when it exists; returns whether it did."""
+        if not Path(path).is_file():
+            return False
+        self.load_state_dict(json.loads(Path(path).read_text()))
+        return True

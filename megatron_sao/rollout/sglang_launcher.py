@@ -1,0 +1,119 @@
+"""Engine processes from the config: `python -m sglang.launch_server ...` commands for GPU clusters, or the embedded
+CPU engine; start them, wait (bounded) until each answers /health, stop them (owned by rollout/; used by the launch
+scripts and the examples; the worker only needs the URLs).
+
+SGLang flag names are those of SGLang 0.5.23 (srt/arg_groups/fields/*.py: `model_path` -> --model-path,
+`tp_size` -> --tp-size, `dp_size` -> --dp-size, `ep_size` -> --ep-size, `mem_fraction_static` ->
+--mem-fraction-static, `host`, `port`, `skip_tokenizer_init`, `weight_version`, `base_gpu_id`; field names become
+flags by `--` + name.replace("_", "-"), arg_utils._field_to_cli_name); the same spellings exist in earlier 0.5.x
+server_args.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_sao.config.rollout import RolloutConfig
+from megatron_sao.rollout.client import SGLangClient
+
+
+def sglang_command(rollout: RolloutConfig, model_path: str, index: int, python: str = sys.executable) -> list[str]:
+    """The launch command of SGLang engine `index` (port base_port + index)."""
+    sg = rollout.sglang
+    gpus = sg.tp * sg.dp
+    if gpus > sg.gpus_per_node:
+        raise ValueError(f"tp*dp={gpus} GPUs per engine exceeds rollout.sglang.gpus_per_node={sg.gpus_per_node}")
+    per_node = sg.gpus_per_node // gpus
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path]
+    cmd += ["--host", rollout.host, "--port", str(rollout.base_port + index)]
+    cmd += ["--tp-size", str(sg.tp), "--dp-size", str(sg.dp), "--ep-size", str(sg.ep)]
+    cmd += ["--mem-fraction-static", str(sg.mem_fraction_static)]
+    cmd += ["--weight-version", sg.weight_version, "--base-gpu-id", str((index % per_node) * gpus)]
+    if sg.skip_tokenizer_init:
+        cmd.append("--skip-tokenizer-init")
+    return cmd + list(sg.extra_args)
+
+
+def embedded_command(rollout: RolloutConfig, model_path: str, index: int, python: str = sys.executable) -> list[str]:
+    """The launch command of embedded CPU engine `index`."""
+    em = rollout.embedded
+    cmd = [python, "-m", "megatron_sao", "engine", "--model", model_path]
+    cmd += ["--host", rollout.host, "--port", str(rollout.base_port + index)]
+    cmd += ["--max-running-requests", str(em.max_running_requests), "--dtype", em.dtype]
+    cmd += ["--weight-version", rollout.sglang.weight_version]
+    if em.threads:
+        cmd += ["--threads", str(em.threads)]
+    if em.context_length:
+        cmd += ["--context-length", str(em.context_length)]
+    return cmd
+
+
+def engine_commands(rollout: RolloutConfig, model_path: str) -> list[tuple[str, list[str]]]:
+    """(url, command) of every engine to launch; empty when rollout.engine_urls names running engines."""
+    if rollout.engine_urls:
+        return []
+    build = sglang_command if rollout.engine == "sglang" else embedded_command
+    return [
+        (f"http://{rollout.host}:{rollout.base_port + i}", build(rollout, model_path, i))
+        for i in range(rollout.num_engines)
+    ]
+
+
+class EngineStartError(RuntimeError):
+    """An engine exited or did not become healthy in time; the message carries its log tail."""
+
+
+@dataclass
+class EngineProcess:
+    url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log_tail(self, lines: int = 40) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def launch(commands: list[tuple[str, list[str]]], log_dir: str | Path) -> list[EngineProcess]:
+    """Start each command with its output in log_dir/engine_<i>.log."""
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    procs = []
+    for i, (url, cmd) in enumerate(commands):
+        log_path = Path(log_dir) / f"engine_{i}.log"
+        with open(log_path, "wb") as out:
+            procs.append(EngineProcess(url, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT), log_path))
+    return procs
+
+
+def wait_healthy(procs: list[EngineProcess], timeout_s: float, poll_s: float = 0.5) -> None:
+    """Return when every engine answers /health; EngineStartError when one exits or the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    pending = {p.url: p for p in procs}
+    while pending:
+        for url, p in list(pending.items()):
+            if p.proc.poll() is not None:
+                raise EngineStartError(f"engine {url} exited with {p.proc.returncode}:\n{p.log_tail()}")
+            if SGLangClient(url).health(timeout_s=2.0):
+                del pending[url]
+        if pending and time.monotonic() > deadline:
+            tails = "\n".join(f"--- {u} ---\n{p.log_tail()}" for u, p in pending.items())
+            raise EngineStartError(f"engines {sorted(pending)} not healthy after {timeout_s:.0f}s:\n{tails}")
+        if pending:
+            time.sleep(poll_s)
+
+
+def stop(procs: list[EngineProcess], timeout_s: float = 20.0) -> None:
+    """SIGTERM each engine, SIGKILL what is still alive after timeout_s."""
+    for p in procs:
+        if p.proc.poll() is None:
+            p.proc.terminate()
+    for p in procs:
+        try:
+            p.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.proc.kill()
+            p.proc.wait(timeout=timeout_s)

@@ -1,0 +1,250 @@
+"""The rollout worker: prompts -> episodes on the engines -> each finished trajectory onto the sink at once (owned
+by rollout/; started by the launch scripts, wired to the bus by the merge: the bus `TrajectorySender` is a sink).
+
+`concurrency` episodes run at a time (threads; each episode is sequential HTTP). Each prompt is rolled out
+`rollouts_per_prompt` times (1 for SAO, G for the GRPO arm; sample_index 0..G-1); the prompt is marked complete in
+the cursor when all of them were pushed. A turn whose engine dies or times out is re-issued on another engine by
+the router; an episode that still fails (no healthy engine, aborted turn) is re-issued from scratch, up to
+`max_attempts` times. Every (prompt, sample) is pushed at most once. A log line with throughput and engine health is
+written every `log_interval_s`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from megatron_sao.bus.schema import Trajectory
+from megatron_sao.config.tree import SAOConfig
+from megatron_sao.rollout.agent_loop import AgentLoop, EpisodeAborted
+from megatron_sao.rollout.client import EngineRouter, EngineTimeout, EngineUnavailable, NoHealthyEngine
+from megatron_sao.rollout.prompts import PromptCursor
+
+log = logging.getLogger(__name__)
+
+RETRYABLE = (NoHealthyEngine, EpisodeAborted, EngineUnavailable, EngineTimeout)
+
+
+class TrajectorySink(Protocol):
+    """Where finished trajectories go; the bus TrajectorySender satisfies it."""
+
+    def send(self, traj: Trajectory) -> None: ...
+
+
+class InMemorySink:
+    def __init__(self) -> None:
+        self.items: list[Trajectory] = []
+        self._lock = threading.Lock()
+
+    def send(self, traj: Trajectory) -> None:
+        with self._lock:
+            self.items.append(traj)
+
+
+@dataclass
+class WorkerConfig:
+    worker_id: str = "rollout-0"
+    concurrency: int = 32
+    rollouts_per_prompt: int = 1
+    max_attempts: int = 3
+    retry_backoff_s: float = 1.0
+    log_interval_s: float = 30.0
+    state_path: str | None = None  # cursor state, saved at every log interval and at the end
+
+
+@dataclass
+class _Task:
+    key: str
+    record: dict[str, Any]
+    sample_index: int
+    attempt: int = 1
+
+
+@dataclass
+class WorkerMetrics:
+    started: float = field(default_factory=time.monotonic)
+    trajectories: int = 0
+    prompts_done: int = 0
+    tokens: int = 0
+    action_tokens: int = 0
+    reward_sum: float = 0.0
+    reissued: int = 0
+    failed: int = 0
+
+    def snapshot(self) -> dict[str, float]:
+        dt = max(time.monotonic() - self.started, 1e-9)
+        return {
+            "trajectories": self.trajectories,
+            "prompts_done": self.prompts_done,
+            "trajectories_per_s": self.trajectories / dt,
+            "action_tokens_per_s": self.action_tokens / dt,
+            "mean_reward": self.reward_sum / max(self.trajectories, 1),
+            "reissued": self.reissued,
+            "failed": self.failed,
+        }
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        cursor: PromptCursor,
+        loop: AgentLoop,
+        sink: TrajectorySink,
+        cfg: WorkerConfig,
+        router: EngineRouter | None = None,
+    ) -> None:
+        self.cursor, self.loop, self.sink, self.cfg, self.router = cursor, loop, sink, cfg, router
+        self.metrics = WorkerMetrics()
+        self._lock = threading.Lock()
+        self._sent: set[tuple[str, int]] = set()
+        self._remaining: dict[str, int] = {}  # prompt key -> samples not pushed yet
+        if cfg.state_path:
+            cursor.load(cfg.state_path)
+
+    def run(self, max_prompts: int | None = None, stop: threading.Event | None = None) -> dict[str, Any]:
+        """Roll out until the cursor is exhausted, `max_prompts` prompts were taken, or `stop` is set."""
+        stop = stop or threading.Event()
+        queue: list[_Task] = []
+        taken = 0
+        next_log = time.monotonic() + self.cfg.log_interval_s
+        with cf.ThreadPoolExecutor(self.cfg.concurrency, thread_name_prefix=self.cfg.worker_id) as pool:
+            running: dict[cf.Future[Trajectory], _Task] = {}
+            while not stop.is_set():
+                while len(running) < self.cfg.concurrency:
+                    if not queue and (max_prompts is None or taken < max_prompts) and self._refill(queue):
+                        taken += 1
+                    if not queue:
+                        break
+                    task = queue.pop(0)
+                    running[pool.submit(self._episode, task)] = task
+                if not running:
+                    break
+                done, _ = cf.wait(running, timeout=1.0, return_when=cf.FIRST_COMPLETED)
+                for fut in done:
+                    self._collect(fut, running.pop(fut), queue)
+                if time.monotonic() >= next_log:
+                    self.log_status()
+                    next_log = time.monotonic() + self.cfg.log_interval_s
+            for fut in cf.as_completed(running):  # stop requested: finish what is in flight
+                self._collect(fut, running[fut], [])
+        self.log_status()
+        return self.status()
+
+    def _refill(self, queue: list[_Task]) -> bool:
+        item = self.cursor.take()
+        if item is None:
+            return False
+        key, record = item
+        self._remaining[key] = self.cfg.rollouts_per_prompt
+        queue.extend(_Task(key, record, i) for i in range(self.cfg.rollouts_per_prompt))
+        return True
+
+    def _episode(self, task: _Task) -> Trajectory:
+        return self.loop.run(task.record, worker_id=self.cfg.worker_id, sample_index=task.sample_index)
+
+    def _collect(self, fut: cf.Future[Trajectory], task: _Task, queue: list[_Task]) -> None:
+        try:
+            traj = fut.result()
+        except RETRYABLE as e:
+            self._retry(task, queue, e)
+            return
+        ident = (task.key, task.sample_index)
+        with self._lock:
+            assert ident not in self._sent, f"{ident} would be pushed twice"
+            self._sent.add(ident)
+        self.sink.send(traj)
+        m = self.metrics
+        m.trajectories += 1
+        m.tokens += traj.header.num_tokens
+        m.action_tokens += traj.num_action_tokens
+        m.reward_sum += traj.header.reward
+        self._sample_finished(task.key)
+
+    def _retry(self, task: _Task, queue: list[_Task], error: BaseException) -> None:
+        if task.attempt >= self.cfg.max_attempts:
+            log.error(
+                "prompt %s sample %d failed %d times, giving up: %r", task.key, task.sample_index, task.attempt, error
+            )
+            self.metrics.failed += 1
+            self._sample_finished(task.key)
+            return
+        log.warning("re-issuing prompt %s sample %d (attempt %d): %r", task.key, task.sample_index, task.attempt, error)
+        self.metrics.reissued += 1
+        if self.router is not None:
+            self.router.check_health()
+        time.sleep(self.cfg.retry_backoff_s * task.attempt)
+        queue.insert(0, _Task(task.key, task.record, task.sample_index, task.attempt + 1))
+
+    def _sample_finished(self, key: str) -> None:
+        self._remaining[key] -= 1
+        if self._remaining[key] == 0:
+            del self._remaining[key]
+            self.cursor.complete(key)
+            self.metrics.prompts_done += 1
+
+    def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = self.metrics.snapshot()
+        if self.router is not None:
+            out["engines"] = self.router.stats()
+        return out
+
+    def log_status(self) -> None:
+        s = self.status()
+        engines = s.get("engines", {})
+        health = ", ".join(
+            f"{u} {'up' if e['healthy'] else 'DOWN'} ({e['outstanding']} out)" for u, e in engines.items()
+        )
+        log.info(
+            "[%s] %d trajectories (%.2f/s, %.1f action tok/s), mean reward %.3f, re-issued %d, failed %d; engines: %s",
+            self.cfg.worker_id,
+            s["trajectories"],
+            s["trajectories_per_s"],
+            s["action_tokens_per_s"],
+            s["mean_reward"],
+            s["reissued"],
+            s["failed"],
+            health or "n/a",
+        )
+        if self.cfg.state_path:
+            Path(self.cfg.state_path).parent.mkdir(parents=True, exist_ok=True)
+            self.cursor.save(self.cfg.state_path)
+
+
+def worker_from_config(cfg: SAOConfig, sink: TrajectorySink, engine_urls: list[str]) -> RolloutWorker:
+    """A worker wired from the config tree: env + prompts (rollout.env), tokenizer (model.hf_path), router over
+    `engine_urls`, sampling / limits (rollout.*), G per prompt (algo.rollouts_per_prompt), cursor state file."""
+    from transformers import AutoTokenizer
+
+    from megatron_sao.rollout.agent_loop import AgentLoopConfig, ChatTemplateCodec
+    from megatron_sao.rollout.client import RetryPolicy, SGLangClient
+    from megatron_sao.rollout.envs import make_env
+    from megatron_sao.rollout.prompts import read_jsonl
+
+    r = cfg.rollout
+    if cfg.model.hf_path is None:
+        raise ValueError("model.hf_path is not set: the rollout worker needs the model's tokenizer and chat template")
+    env = make_env(r.env.name, r.env.options)
+    records = read_jsonl(r.env.prompts) if r.env.prompts else env.make_prompts(10_000)
+    clients = [SGLangClient(u, timeout_s=r.request_timeout_s, retry=RetryPolicy(r.max_retries)) for u in engine_urls]
+    router = EngineRouter(clients)
+    sampling = {"temperature": r.sampling.temperature, "top_p": r.sampling.top_p, "top_k": r.sampling.top_k,
+                "max_new_tokens": r.sampling.max_new_tokens}  # fmt: skip
+    loop = AgentLoop(
+        env,
+        ChatTemplateCodec(AutoTokenizer.from_pretrained(cfg.model.hf_path)),
+        router.generate,
+        AgentLoopConfig(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, sampling=sampling),
+    )
+    wcfg = WorkerConfig(
+        concurrency=r.concurrency,
+        rollouts_per_prompt=cfg.algo.rollouts_per_prompt,
+        max_attempts=r.max_episode_attempts,
+        log_interval_s=r.log_interval_s,
+        state_path=r.cursor_state or str(Path(cfg.launch.run_dir) / "rollout_cursor.json"),
+    )
+    return RolloutWorker(PromptCursor(records, epochs=None), loop, sink, wcfg, router)

@@ -1,0 +1,216 @@
+"""SGLangClient and EngineRouter against the embedded engine (over HTTP), plus fakes for older servers / outages."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from megatron_sao.distributed.spawn import find_free_port
+from megatron_sao.rollout import protocol as P
+from megatron_sao.rollout.client import (
+    EngineError,
+    EngineRouter,
+    EngineTimeout,
+    EngineUnavailable,
+    RetryPolicy,
+    SGLangClient,
+)
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+def _wait_running(client: SGLangClient, n: int = 1, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while client.request("GET", P.SERVER_INFO)["load"]["num_running"] < n:
+        assert time.monotonic() < deadline, "request never started running"
+        time.sleep(0.01)
+
+
+def test_generate_is_token_in_token_out_with_aligned_logprobs(engine_url: str) -> None:
+    r = SGLangClient(engine_url).generate([1, 7, 8], {"max_new_tokens": 6, **GREEDY})
+    assert len(r.output_ids) == len(r.logprobs) == len(r.versions) == 6
+    assert r.versions == [0] * 6 and r.finish_type == "length" and r.prompt_tokens == 3
+    assert all(lp <= 0 for lp in r.logprobs)
+
+
+def test_32_concurrent_requests_match_the_same_requests_run_one_by_one(engine_url: str) -> None:
+    client = SGLangClient(engine_url)
+    prompts = [[1, 3 + i % 50, 4 + (i * 7) % 60, 5] for i in range(32)]
+    lengths = [4 + i % 9 for i in range(32)]
+    with cf.ThreadPoolExecutor(32) as pool:
+        futs = [pool.submit(client.generate, p, {"max_new_tokens": n, **GREEDY}) for p, n in zip(prompts, lengths)]
+        concurrent = [f.result(timeout=300) for f in futs]
+    sequential = [client.generate(p, {"max_new_tokens": n, **GREEDY}) for p, n in zip(prompts, lengths)]
+    for c, s, n in zip(concurrent, sequential, lengths):
+        assert c.output_ids == s.output_ids and len(c.output_ids) == n
+        assert max(abs(a - b) for a, b in zip(c.logprobs, s.logprobs)) <= 1e-4
+
+
+def test_abort_request_finishes_it_as_abort(engine_url: str) -> None:
+    client = SGLangClient(engine_url)
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(client.generate, [1, 2, 3], {"max_new_tokens": 3000, **GREEDY}, rid="long-1")
+        _wait_running(client)
+        client.abort("long-1")
+        r = fut.result(timeout=60)
+    assert r.aborted and r.finish_reason["type"] == "abort" and len(r.output_ids) < 3000
+
+
+def test_timeout_aborts_the_request_on_the_engine(engine_url: str) -> None:
+    client = SGLangClient(engine_url)
+    with pytest.raises(EngineTimeout):
+        client.generate([1, 2], {"max_new_tokens": 3000, **GREEDY}, timeout_s=0.5)
+    deadline = time.monotonic() + 10
+    while client.request("GET", P.SERVER_INFO)["load"]["num_running"]:
+        assert time.monotonic() < deadline, "timed-out request still running on the engine"
+        time.sleep(0.05)
+
+
+def test_pause_in_place_freezes_and_continue_resumes(engine_url: str) -> None:
+    client = SGLangClient(engine_url)
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(client.generate, [1, 2, 3], {"max_new_tokens": 400, **GREEDY})
+        _wait_running(client)
+        client.pause_generation("in_place")
+        try:
+            before = client.request("GET", P.SERVER_INFO)["load"]["generated_tokens"]
+            time.sleep(0.3)
+            assert client.request("GET", P.SERVER_INFO)["load"]["generated_tokens"] == before
+            assert not client.flush_cache()  # refused while a request is in flight, as in SGLang
+        finally:
+            client.continue_generation()
+        r = fut.result(timeout=120)
+    assert len(r.output_ids) == 400 and not r.aborted
+    assert client.flush_cache()
+
+
+def test_pause_retract_recomputes_and_gives_the_uninterrupted_result(engine_url: str) -> None:
+    client = SGLangClient(engine_url)
+    plain = client.generate([1, 4, 9], {"max_new_tokens": 300, **GREEDY})
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(client.generate, [1, 4, 9], {"max_new_tokens": 300, **GREEDY})
+        _wait_running(client)
+        client.pause_generation("retract")
+        client.continue_generation()
+        r = fut.result(timeout=120)
+    assert r.output_ids == plain.output_ids
+
+
+def test_generate_rejects_what_the_engine_cannot_honour(engine_url: str) -> None:
+    client = SGLangClient(engine_url)
+    cases = [
+        ({"input_ids": [1, 2], "sampling_params": {"stop": ["x"]}}, "stop"),
+        ({"input_ids": [1, 2], "sampling_params": {"n": 2}}, "n=2"),
+        ({"input_ids": [1, 2], "stream": True}, "stream"),
+        ({"input_ids": [1, 10**6]}, "input_ids"),
+        ({"input_ids": list(range(1, 200)) * 30}, "context length"),
+    ]
+    for body, words in cases:
+        with pytest.raises(EngineError, match=words) as e:
+            client.request("POST", P.GENERATE, body)
+        assert e.value.status == 400
+
+
+def test_token_only_engine_serves_ids_and_refuses_text(tiny_dirs: dict[str, Path]) -> None:
+    from megatron_sao.rollout.engine.server import build_state
+
+    state = build_state(str(tiny_dirs["qwen3_moe_notok"]), max_running=2)
+    try:
+        status, out = state.generate.handle({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+        assert status == 200 and "text" not in out and len(out["output_ids"]) == 2
+        status, out = state.generate.handle({"text": "hello"})
+        assert status == 400 and "input_ids" in out["error"]["message"]
+        assert state.model_info["skip_tokenizer_init"] is True
+    finally:
+        state.scheduler.stop()
+
+
+class _OldServer(BaseHTTPRequestHandler):
+    """An older SGLang: no /model_info, /get_model_info without weight_version, /get_weight_version."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        body: Any = {
+            "/get_model_info": {"model_path": "m", "is_generation": True},
+            "/get_weight_version": {"weight_version": "3"},
+            "/health": "",
+        }.get(self.path)
+        data = b"" if body in (None, "") else json.dumps(body).encode()
+        self.send_response(404 if body is None else 200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def _serve_old(port: int = 0) -> ThreadingHTTPServer:
+    server = ThreadingHTTPServer(("127.0.0.1", port), _OldServer)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    return server
+
+
+def test_model_info_and_weight_version_fall_back_to_older_spellings(engine_url: str) -> None:
+    server = _serve_old()
+    try:
+        old = SGLangClient(f"http://127.0.0.1:{server.server_address[1]}")
+        assert old.model_info()["model_path"] == "m" and old.weight_version() == 3
+    finally:
+        server.shutdown()
+    assert SGLangClient(engine_url).weight_version() == 0  # newer spelling: /model_info carries it ("default")
+
+
+def test_calls_retry_with_backoff_until_the_engine_is_up() -> None:
+    port = find_free_port()
+    holder: list[ThreadingHTTPServer] = []
+    timer = threading.Timer(0.5, lambda: holder.append(_serve_old(port)))
+    timer.start()
+    try:
+        client = SGLangClient(f"http://127.0.0.1:{port}", retry=RetryPolicy(max_retries=6, backoff_s=0.1))
+        assert client.weight_version() == 3
+    finally:
+        timer.join()
+        for s in holder:
+            s.shutdown()
+    with pytest.raises(EngineUnavailable):
+        SGLangClient(f"http://127.0.0.1:{find_free_port()}", retry=RetryPolicy(2, 0.01)).model_info()
+
+
+def test_router_spreads_by_outstanding_load_and_fails_over(engine_url: str) -> None:
+    port = engine_url.rsplit(":", 1)[1]
+    same_engine_two_urls = [engine_url, f"http://localhost:{port}"]
+    router = EngineRouter.from_urls(same_engine_two_urls)
+    client = SGLangClient(engine_url)
+    client.pause_generation("in_place")  # hold all 8 requests in flight
+    try:
+        with cf.ThreadPoolExecutor(8) as pool:
+            futs = [pool.submit(router.generate, [1, 2, i + 3], {"max_new_tokens": 5, **GREEDY}) for i in range(8)]
+            deadline = time.monotonic() + 30
+            while sum(s["outstanding"] for s in router.stats().values()) < 8:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert sorted(s["outstanding"] for s in router.stats().values()) == [4, 4]
+            client.continue_generation()
+            for f in futs:
+                f.result(timeout=120)
+    finally:
+        client.continue_generation()
+    assert [s["outstanding"] for s in router.stats().values()] == [0, 0]
+
+    dead = f"http://127.0.0.1:{find_free_port()}"
+    router = EngineRouter([SGLangClient(dead, retry=RetryPolicy(1, 0.01)), SGLangClient(engine_url)])
+    for _ in range(3):
+        result, url = router.generate([1, 2], {"max_new_tokens": 2, **GREEDY})
+        assert url == engine_url and len(result.output_ids) == 2
+    assert router.down() == [dead] and router.stats()[dead]["failures"] == 1
+    assert router.check_health() == {dead: False, engine_url: True}

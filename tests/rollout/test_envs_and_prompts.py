@@ -1,0 +1,111 @@
+"""Environments (rewards, tools, style schedule), the plug-in registry, prompt files and the resumable cursor."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_sao.rollout.envs import REGISTRY, make_env
+from megatron_sao.rollout.envs.arithmetic import calculate
+from megatron_sao.rollout.envs.base import env_class
+from megatron_sao.rollout.envs.style_preference import style_score
+from megatron_sao.rollout.prompts import PromptCursor, read_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_calculator_evaluates_arithmetic_and_nothing_else() -> None:
+    assert calculate("(3 * 4) - 5 / 2") == 9.5
+    for bad in ("__import__('os')", "2 ** 10", "a + 1", "1 / 0", "x" * 300):
+        with pytest.raises(ValueError):
+            calculate(bad)
+
+
+def test_arithmetic_episode_runs_the_tool_then_checks_the_answer() -> None:
+    env = make_env("arithmetic")
+    (rec,) = env.make_prompts(1, seed=3)
+    ep = env.start(rec)
+    step = ep.step("let me compute <tool_call>2 + 2 * 3</tool_call>")
+    assert not step.done and step.observation == "<tool_response>8</tool_response>"
+    assert ep.step("<tool_call>1 / 0</tool_call>").observation.startswith("<tool_response>error")
+    assert ep.step(f"<answer>{rec['answer']}</answer>").done and ep.reward() == 1.0
+    ep2 = env.start(rec)
+    assert ep2.step("no idea").done and ep2.reward() == 0.0
+
+
+def test_verifiable_answer_is_single_turn_with_normalized_match() -> None:
+    env = make_env("verifiable_answer")
+    ep = env.start({"id": "a", "question": "q", "answer": "Paris"})
+    assert ep.step("It is <answer> paris. </answer>").done and ep.reward() == 1.0
+    ep = env.start({"id": "b", "question": "q", "answer": "8"})
+    ep.step("the answer is 8.0")
+    assert ep.reward() == 1.0
+
+
+def test_style_preference_switches_on_schedule_and_records_the_style() -> None:
+    env = make_env("style_preference", {"period": 10})
+    assert [env.active_style(v) for v in (0, 9, 10, 25, 30)] == ["cute", "cute", "chuunibyou", "classical", "cute"]
+    text = "verily thou art fair, and thee doth shine"
+    rewards = {}
+    for version in (0, 10, 20):
+        ep = env.start({"id": "s", "prompt": "Write."})
+        ep.step(text)
+        ep.weight_version = version
+        rewards[ep.reward(), ep.metadata["style"]] = version
+    assert set(rewards) == {(0.0, "cute"), (0.0, "chuunibyou"), (1.0, "classical")}
+    assert style_score("nya~ so fluffy", "cute") == 1.0
+    by_count = make_env("style_preference", {"period": 2, "schedule": "episodes"})
+    styles = []
+    for _ in range(4):
+        ep = by_count.start({"id": "s", "prompt": "Write."})
+        ep.step("x")
+        ep.reward()
+        styles.append(ep.metadata["style"])
+    assert styles == ["cute", "cute", "chuunibyou", "chuunibyou"]
+
+
+def test_registry_by_name_and_by_import_path() -> None:
+    assert {"arithmetic", "style_preference", "verifiable_answer"} <= set(REGISTRY)
+    cls = env_class("megatron_sao.rollout.envs.arithmetic:ArithmeticEnv")
+    assert cls is REGISTRY["arithmetic"]
+    with pytest.raises(ValueError, match="registered"):
+        env_class("nope")
+    with pytest.raises(ValueError, match="not an Environment"):
+        env_class("json:dumps")
+    with pytest.raises(ValueError, match="schedule"):
+        make_env("style_preference", {"schedule": "weekly"})
+
+
+@pytest.mark.parametrize("env", ["arithmetic", "style_preference", "verifiable_answer"])
+def test_make_prompts_tool_writes_loadable_jsonl(env: str, tmp_path: Path) -> None:
+    out = tmp_path / f"{env}.jsonl"
+    cmd = [sys.executable, str(REPO / "tools/make_prompts.py"), "--env", env, "--n", "7", "--out", str(out)]
+    subprocess.run(cmd, check=True, env={"PYTHONPATH": str(REPO)}, capture_output=True)
+    records = read_jsonl(out)
+    assert len(records) == 7 and len({r["id"] for r in records}) == 7
+    envobj = make_env(env)
+    assert all(envobj.start(r).messages for r in records)
+
+
+def test_cursor_resumes_pending_prompts_first_and_skips_completed(tmp_path: Path) -> None:
+    records = [{"id": f"p{i}"} for i in range(5)]
+    c = PromptCursor(records, epochs=2)
+    taken = [c.take() for _ in range(3)]
+    c.complete(taken[0][0])
+    c.complete(taken[2][0])
+    state = tmp_path / "cursor.json"
+    c.save(state)
+    resumed = PromptCursor(records, epochs=2)
+    assert resumed.load(state)
+    order = []
+    while (item := resumed.take()) is not None:
+        order.append(item[1]["id"])
+        resumed.complete(item[0])
+    assert order == ["p1", "p3", "p4", "p0@1", "p1@1", "p2@1", "p3@1", "p4@1"]
+    assert json.loads(state.read_text())["completed"] == 2
+    with pytest.raises(ValueError, match="another prompt file"):
+        PromptCursor(records[:3]).load(state)

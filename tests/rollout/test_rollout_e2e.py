@@ -1,0 +1,116 @@
+"""Stream rollout in miniature: a worker rolls out on two engine processes while a trainer process pushes new weights
+to both (pause in place -> one gloo broadcast to both engines -> continue); trajectories in flight span versions."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from megatron_sao.distributed.spawn import find_free_port, spawn_ranks
+from megatron_sao.models.tiny import build_tiny_tokenizer
+from megatron_sao.rollout import protocol as P
+from megatron_sao.rollout.agent_loop import AgentLoop, AgentLoopConfig, ChatTemplateCodec
+from megatron_sao.rollout.client import EngineRouter, SGLangClient
+from megatron_sao.rollout.envs import make_env
+from megatron_sao.rollout.prompts import PromptCursor
+from megatron_sao.rollout.worker import InMemorySink, RolloutWorker, WorkerConfig
+
+VERSIONS = 3
+
+
+def _update_all(clients: list[SGLangClient], new: dict[str, Any], names: list[str], version: int) -> list[str]:
+    """Announce the update to every engine (HTTP threads) while rank 0 broadcasts each tensor once to all of them."""
+    import torch.distributed as dist
+
+    dtypes = [str(new[n].dtype).removeprefix("torch.") for n in names]
+    shapes = [list(new[n].shape) for n in names]
+    outs: list[Any] = []
+
+    def announce(c: SGLangClient) -> None:
+        outs.append(c.update_weights_from_distributed(names, dtypes, shapes, group_name="g", weight_version=version))
+
+    threads = [threading.Thread(target=announce, args=(c,)) for c in clients]
+    for t in threads:
+        t.start()
+    for n in names:
+        dist.broadcast(new[n], src=0)
+    for t in threads:
+        t.join(60)
+    return [o["message"] for o in outs]
+
+
+def push_versions(urls: list[str], model_dir: str, port: int) -> list[str]:
+    """Trainer (rank 0 of 1 + len(urls)): push VERSIONS updates, each while requests are in flight."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    clients = [SGLangClient(u) for u in urls]
+    world = 1 + len(clients)
+    inits = [threading.Thread(target=c.init_weights_update_group, args=("127.0.0.1", port, i + 1, world, "g", "gloo"))
+             for i, c in enumerate(clients)]  # fmt: skip
+    for t in inits:
+        t.start()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=0,
+                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    for t in inits:
+        t.join(60)
+    base = load_file(f"{model_dir}/model.safetensors")
+    names = sorted(base)
+    messages = []
+    for version in range(1, VERSIONS + 1):
+        deadline = time.monotonic() + 60
+        while not all(c.request("GET", P.SERVER_INFO)["load"]["num_running"] for c in clients):
+            assert time.monotonic() < deadline, "engines never had requests in flight"
+            time.sleep(0.01)
+        for c in clients:
+            c.pause_generation("in_place")
+        new = {k: base[k] + 0.01 * version * torch.ones_like(base[k]) for k in names}
+        messages += _update_all(clients, new, names, version)
+        for c in clients:
+            c.continue_generation()
+        time.sleep(0.3)
+    dist.destroy_process_group()
+    return messages
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_worker_streams_while_weights_change_under_it(start_engine: Any, tiny_dirs: dict[str, Path]) -> None:
+    engines = [start_engine(tiny_dirs["qwen3_moe"]) for _ in range(2)]
+    for e in engines:
+        e.wait_healthy()
+    urls = [e.url for e in engines]
+    tok = build_tiny_tokenizer()
+    env = make_env("style_preference", {"period": 1})
+    sampling = {"temperature": 1.0, "max_new_tokens": 48, "ignore_eos": True}
+    loop = AgentLoop(
+        env, ChatTemplateCodec(tok), EngineRouter.from_urls(urls).generate, AgentLoopConfig(sampling=sampling)
+    )
+    sink = InMemorySink()
+    worker = RolloutWorker(PromptCursor(env.make_prompts(400)), loop, sink, WorkerConfig(concurrency=8))
+    stop = threading.Event()
+    runner = threading.Thread(target=worker.run, kwargs={"stop": stop})
+    runner.start()
+    try:
+        (messages,) = spawn_ranks(push_versions, 1, urls, str(tiny_dirs["qwen3_moe"]), find_free_port(), timeout_s=300)
+    finally:
+        stop.set()
+        runner.join(120)
+    assert len(messages) == 2 * VERSIONS and all("Weight version updated" in m for m in messages)
+    trajs = sink.items
+    assert len({t.header.prompt_id for t in trajs}) == len(trajs)  # each prompt once
+    spanning = 0
+    for t in trajs:
+        v = t.weight_versions[t.action_mask]
+        assert (np.diff(v) >= 0).all()  # versions never go back within a trajectory
+        spanning += int(v.min() != v.max())
+        assert t.header.metadata["style"] == env.active_style(int(v.max()))  # the reward in force when it finished
+    assert spanning >= 2  # requests in flight at an update carry two versions
+    assert {int(t.weight_versions[t.action_mask].max()) for t in trajs} >= {0, VERSIONS}

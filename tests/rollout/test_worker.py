@@ -1,0 +1,146 @@
+"""The rollout worker: one trajectory per (prompt, sample) pushed at once, re-issue on engine failure, exactly once."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from megatron_sao.models.tiny import build_tiny_tokenizer
+from megatron_sao.rollout.agent_loop import AgentLoop, AgentLoopConfig, ChatTemplateCodec
+from megatron_sao.rollout.client import EngineRouter, NoHealthyEngine, RetryPolicy, SGLangClient
+from megatron_sao.rollout.envs import make_env
+from megatron_sao.rollout.prompts import PromptCursor
+from megatron_sao.rollout.protocol import GenerateResult
+from megatron_sao.rollout.worker import InMemorySink, RolloutWorker, WorkerConfig
+
+TOK = build_tiny_tokenizer()
+
+
+class FlakyEngine:
+    """Answers "<answer>N</answer>"; fails the first call of every prompt listed in `fail_once`."""
+
+    def __init__(self, fail_once: set[str] = frozenset()) -> None:
+        self.fail_once = set(fail_once)
+        self.lock = threading.Lock()
+        self.calls = 0
+
+    def __call__(self, input_ids: list[int], sampling: dict[str, Any]) -> tuple[GenerateResult, str]:
+        text = TOK.decode(input_ids)
+        with self.lock:
+            self.calls += 1
+            hit = next((p for p in self.fail_once if p in text), None)
+            if hit:
+                self.fail_once.discard(hit)
+                raise NoHealthyEngine("scripted outage")
+        ids = TOK("<answer>1</answer>", add_special_tokens=False)["input_ids"] + [TOK.eos_token_id]
+        return GenerateResult("r", ids, [-0.5] * len(ids), [0] * len(ids), "stop", {"type": "stop"}, 0, 1), "fake"
+
+
+def make_worker(engine: Any, n: int, tmp_path: Path, **cfg: Any) -> tuple[RolloutWorker, InMemorySink]:
+    records = [{"id": f"q{i}", "question": f"question number {i}?", "answer": "1"} for i in range(n)]
+    loop = AgentLoop(make_env("verifiable_answer"), ChatTemplateCodec(TOK), engine, AgentLoopConfig())
+    sink = InMemorySink()
+    wcfg = WorkerConfig(concurrency=4, log_interval_s=0.2, retry_backoff_s=0.01, state_path=str(tmp_path / "c.json"))
+    for k, v in cfg.items():
+        setattr(wcfg, k, v)
+    return RolloutWorker(PromptCursor(records), loop, sink, wcfg), sink
+
+
+def test_every_prompt_yields_one_trajectory_and_the_cursor_records_it(tmp_path: Path) -> None:
+    worker, sink = make_worker(FlakyEngine(), 10, tmp_path)
+    status = worker.run()
+    assert sorted(t.header.prompt_id for t in sink.items) == sorted(f"q{i}" for i in range(10))
+    assert {t.header.sample_index for t in sink.items} == {0} and status["trajectories"] == 10
+    assert status["mean_reward"] == 1.0
+    assert worker.cursor.state_dict()["completed"] == 10 and not worker.cursor.state_dict()["pending"]
+
+
+def test_grpo_arm_gets_g_samples_per_prompt(tmp_path: Path) -> None:
+    worker, sink = make_worker(FlakyEngine(), 3, tmp_path, rollouts_per_prompt=4)
+    worker.run()
+    groups: dict[str, list[int]] = {}
+    for t in sink.items:
+        groups.setdefault(t.header.prompt_id, []).append(t.header.sample_index)
+    assert {k: sorted(v) for k, v in groups.items()} == {f"q{i}": [0, 1, 2, 3] for i in range(3)}
+    assert len({t.trajectory_id for t in sink.items}) == 12
+
+
+def test_failed_episodes_are_reissued_and_pushed_once(tmp_path: Path) -> None:
+    engine = FlakyEngine(fail_once={"number 2?", "number 5?"})
+    worker, sink = make_worker(engine, 8, tmp_path)
+    status = worker.run()
+    assert sorted(t.header.prompt_id for t in sink.items) == sorted(f"q{i}" for i in range(8))
+    assert status["reissued"] == 2 and status["failed"] == 0
+
+
+def test_episodes_failing_every_attempt_are_counted_not_pushed(tmp_path: Path) -> None:
+    class Down(FlakyEngine):
+        def __call__(self, input_ids: list[int], sampling: dict[str, Any]) -> tuple[GenerateResult, str]:
+            raise NoHealthyEngine("all down")
+
+    worker, sink = make_worker(Down(), 3, tmp_path, max_attempts=2)
+    status = worker.run()
+    assert sink.items == [] and status["failed"] == 3 and status["reissued"] == 3
+
+
+def test_a_restarted_worker_continues_where_the_cursor_stopped(tmp_path: Path) -> None:
+    worker, sink = make_worker(FlakyEngine(), 10, tmp_path)
+    worker.run(max_prompts=4)
+    again, sink2 = make_worker(FlakyEngine(), 10, tmp_path)  # same state_path
+    again.run()
+    first, second = {t.header.prompt_id for t in sink.items}, {t.header.prompt_id for t in sink2.items}
+    assert len(first) == 4 and first.isdisjoint(second) and first | second == {f"q{i}" for i in range(10)}
+
+
+@pytest.mark.multiproc
+def test_engine_killed_mid_request_the_prompt_is_reissued_and_pushed_once(
+    start_engine: Any, tiny_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    engines = [start_engine(tiny_dirs["qwen3_moe"]) for _ in range(2)]
+    for e in engines:
+        e.wait_healthy()
+    victim = engines[0]
+    router = EngineRouter([SGLangClient(e.url, retry=RetryPolicy(2, 0.05), timeout_s=60) for e in engines])
+    n = 12
+    records = [{"id": f"k{i}", "question": f"q {i}?", "answer": "1"} for i in range(n)]
+    sampling = {"temperature": 1.0, "max_new_tokens": 40, "ignore_eos": True}
+    loop = AgentLoop(
+        make_env("verifiable_answer"), ChatTemplateCodec(TOK), router.generate, AgentLoopConfig(sampling=sampling)
+    )
+    sink = InMemorySink()
+    worker = RolloutWorker(PromptCursor(records), loop, sink, WorkerConfig(concurrency=6, log_interval_s=0.5), router)
+
+    def kill_when_busy() -> None:
+        deadline = time.monotonic() + 60
+        while router.stats()[victim.url]["outstanding"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        victim.proc.send_signal(9)  # SIGKILL with requests in flight
+
+    killer = threading.Thread(target=kill_when_busy)
+    killer.start()
+    status = worker.run()
+    killer.join()
+    ids = [t.header.prompt_id for t in sink.items]
+    assert sorted(ids) == sorted(r["id"] for r in records)  # every prompt once: none lost, none pushed twice
+    assert len({t.trajectory_id for t in sink.items}) == n
+    assert status["engines"][victim.url]["failures"] >= 1 and not status["engines"][victim.url]["healthy"]
+    assert router.stats()[engines[1].url]["requests"] > n // 2  # the survivor took over the re-issued work
+    assert victim.proc.poll() is not None
+
+
+def test_worker_from_config_rolls_out_on_an_engine(engine_url: str, tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
+    from megatron_sao.config import load_config
+    from megatron_sao.rollout.worker import worker_from_config
+
+    cfg = load_config(None, ["--model.hf_path", str(tiny_dirs["qwen3_moe"]), "--rollout.env.name", "verifiable_answer",
+                             "--rollout.sampling.max_new_tokens", "8", "--algo.name", "grpo",
+                             "--algo.grpo.group_size", "2", "--launch.run_dir", str(tmp_path)])  # fmt: skip
+    sink = InMemorySink()
+    worker = worker_from_config(cfg, sink, [engine_url])
+    status = worker.run(max_prompts=3)
+    assert status["trajectories"] == 6 and (tmp_path / "rollout_cursor.json").is_file()
+    assert all(t.num_action_tokens <= 8 and t.header.engine_id == engine_url for t in sink.items)
