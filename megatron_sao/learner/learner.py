@@ -30,7 +30,7 @@ from megatron_sao.bus.schema import Trajectory
 from megatron_sao.config.tree import SAOConfig
 from megatron_sao.learner.batch import StepBatch, make_step_batch, select, shard_for_data_parallel
 from megatron_sao.learner.forward import collect_values
-from megatron_sao.learner.metrics import all_reduce_scalar, reduce_metrics
+from megatron_sao.learner.metrics import all_reduce_scalar, explained_variance, reduce_metrics
 from megatron_sao.learner.packing import MicroBatch, pack_microbatches, plan_microbatches
 from megatron_sao.learner.roles import RoleModel, build_role
 from megatron_sao.learner.step import policy_update, value_update
@@ -64,7 +64,7 @@ class Learner:
             self.value = build_role(
                 self.spec, cfg.parallel, "value", learner.value,
                 total_steps=learner.max_steps * algo.value.updates_per_policy_step,
-                use_distributed_optimizer=learner.use_distributed_optimizer,
+                use_distributed_optimizer=learner.use_distributed_optimizer, seed=learner.seed,
             )  # fmt: skip
         self.version = 0
         """Policy weight version: the number of policy optimizer steps taken (engines tag tokens with it)."""
@@ -81,8 +81,10 @@ class Learner:
         """Initialize both models from an HF checkpoint (the value backbone starts from the policy's weights)."""
         hf = HFCheckpoint(hf_dir)
         load_hf_weights(self.policy.model, self.spec, hf, role="policy")
+        self.policy.reload_main_params()
         if self.value is not None:
             load_hf_weights(self.value.model, self.spec, hf, role="value")
+            self.value.reload_main_params()
 
     # ------------------------------------------------------------------ the step
 
@@ -145,7 +147,7 @@ class Learner:
             advantages, returns = targets.advantages, targets.returns
         for k in range(algo.value.updates_per_policy_step):
             results, ok, grad_norm = value_update(self.value, mbs, batch, returns, old_values, algo.value.clip)
-            reduced = reduce_metrics(results)
+            reduced = explained_variance(reduce_metrics(results))
             if k == 0:
                 metrics.update({f"{name}_first": v for name, v in reduced.items() if name.endswith("v_loss")})
             metrics.update(reduced)

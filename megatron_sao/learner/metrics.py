@@ -58,10 +58,30 @@ def reduce_metrics(per_microbatch: list[WeightedMetrics], prefix: str = "") -> d
     dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
     out: dict[str, float] = {}
     for k, (s, w) in zip([k for k in keys if not k.endswith("_max")], sums.cpu().tolist()):
-        out[prefix + k] = s / w if w > 0 else 0.0
+        if k.endswith("_total"):
+            out[prefix + k] = s
+        else:
+            out[prefix + k] = s / w if w > 0 else 0.0
     for k, v in zip([k for k in keys if k.endswith("_max")], maxes.cpu().tolist()):
         out[prefix + k] = v
     return out
+
+
+def explained_variance(metrics: dict[str, float], prefix: str = "value/") -> dict[str, float]:
+    """Replace the ev_*_total sums by the step's explained variance (1 when Var(R) = 0 and Var(R - V) = 0, 0 when
+    only Var(R) = 0, as algo.explained_variance does)."""
+    totals = {k: metrics.pop(f"{prefix}ev_{k}_total", 0.0) for k in ("n", "r", "r2", "e", "e2")}
+    n = totals["n"]
+    if n <= 0:
+        return metrics
+    var_r = totals["r2"] / n - (totals["r"] / n) ** 2
+    var_e = totals["e2"] / n - (totals["e"] / n) ** 2
+    if var_r <= 1e-12:
+        ev = 1.0 if var_e <= 1e-12 else 0.0
+    else:
+        ev = 1.0 - var_e / var_r
+    metrics[f"{prefix}explained_variance"] = ev
+    return metrics
 
 
 def all_reduce_scalar(value: float, op: str = "sum", group: object | None = None) -> float:

@@ -86,6 +86,12 @@ class RoleModel:
             self.optimizer_steps += 1
         return bool(ok), float(grad_norm) if grad_norm is not None else float("nan")
 
+    def reload_main_params(self) -> None:
+        """After weights were written into the model outside the optimizer (HF load, weights-only load), refresh
+        the optimizer's fp32 main copies (bf16 training keeps separate ones)."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            opt.reload_model_params()
+
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
@@ -99,6 +105,7 @@ def build_role(
     total_steps: int,
     use_distributed_optimizer: bool,
     moe_aux_loss_coeff: float = 0.0,
+    seed: int = 0,
 ) -> RoleModel:
     """Build, freeze, wrap and attach an optimizer; weights are still the random init (load them next)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -106,7 +113,7 @@ def build_role(
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     config = transformer_config(spec, parallel, moe_aux_loss_coeff=moe_aux_loss_coeff if role == "policy" else 0.0)
-    model = build_model(spec, config, role)
+    model = build_model(spec, config, role, value_head_seed=seed)
     report = select_trainable(model, optim.trainable, optim.frozen)
     if report.trainable_numel == 0 and report.frozen_numel != 0:
         logger.warning("%s: no trainable parameters on this rank (patterns %s)", role, optim.trainable)

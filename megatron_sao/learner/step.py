@@ -30,7 +30,10 @@ def _weighted(metrics: dict[str, Any], count: float) -> WeightedMetrics:
     out: WeightedMetrics = {}
     for name, value in metrics.items():
         v = float(value)
-        if name.endswith("num_action_tokens"):
+        if name.endswith(("num_action_tokens", "explained_variance")):  # step-level: see explained_variance_totals
+            continue
+        if name.endswith("_total"):
+            out[name] = (v, 1.0)
             continue
         if name.endswith("_max"):
             out[name] = (v, 1.0)
@@ -39,6 +42,20 @@ def _weighted(metrics: dict[str, Any], count: float) -> WeightedMetrics:
         else:
             out[name] = (v * count, count)
     return out
+
+
+def explained_variance_totals(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
+    """Sufficient statistics of 1 - Var(R - V) / Var(R) over action tokens, summed across micro-batches and
+    ranks by learner/metrics.py (a per-micro-batch explained variance would be meaningless)."""
+    with torch.no_grad():
+        r, resid = returns[mask].double(), (returns - values)[mask].double()
+        return {
+            "value/ev_n_total": float(mask.sum()),
+            "value/ev_r_total": float(r.sum()),
+            "value/ev_r2_total": float((r * r).sum()),
+            "value/ev_e_total": float(resid.sum()),
+            "value/ev_e2_total": float((resid * resid).sum()),
+        }
 
 
 def value_update(
@@ -62,7 +79,8 @@ def value_update(
             clip=clip, num_action_tokens=1.0,
         )  # fmt: skip
         count = mask.sum()
-        return loss, count.to(torch.int), _weighted(m, float(count))
+        totals = explained_variance_totals(values[0].detach(), mb.pack(returns).to(dev), mask)
+        return loss, count.to(torch.int), _weighted({**m, **totals}, float(count))
 
     value.zero_grad()
     results = run_microbatches(value.ddp, microbatches, loss_fn, forward_only=False)

@@ -17,13 +17,15 @@ class ValueHead(MegatronModule):
     its parameters are tagged `sequence_parallel` so megatron all-reduces their partial gradients over TP.
     """
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, init_seed: int = 0) -> None:
         super().__init__(config=config)
         self.sequence_parallel = bool(config.sequence_parallel)
-        self.weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype))
-        with torch.no_grad():
-            self.weight.normal_(0.0, config.init_method_std)
+        # A private generator: the same head at every parallel layout and on every rank (it is replicated).
+        g = torch.Generator().manual_seed(init_seed)
+        weight = torch.randn(1, config.hidden_size, generator=g) * config.init_method_std
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        self.weight = torch.nn.Parameter(weight.to(device=device, dtype=config.params_dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype, device=device))
         for p in (self.weight, self.bias):
             p.sequence_parallel = self.sequence_parallel
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-import multiprocessing as mp
+import queue
 from typing import Any
 
 import torch
@@ -112,18 +112,17 @@ def patch_split_sizes_to_host() -> None:
     "checkpoint-results-queue",
     works_around="megatron.core.dist_checkpointing.strategies.filesystem_async._get_write_results_queue",
     why="a synchronous torch_dist save starts a 'spawn' multiprocessing Manager: ~8 s per process, and it "
-    "re-imports __main__ (hangs scripts without a main guard). A fork-context queue serves synchronous saves, "
-    "the only kind the CPU path makes",
+    "re-imports __main__ (hangs scripts without a main guard). A synchronous save puts and reads its results in "
+    "the same process, so an in-process queue.Queue serves (an mp.Queue would race its feeder thread: "
+    "'results_queue should not be empty'); the CPU path makes only synchronous saves",
 )
 def patch_checkpoint_results_queue() -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    queue_holder: dict[str, Any] = {}
+    results: queue.Queue = queue.Queue()
 
     def get_write_results_queue() -> Any:
-        if "q" not in queue_holder:
-            queue_holder["q"] = mp.get_context("fork").Queue()
-        return queue_holder["q"]
+        return results
 
     filesystem_async._get_write_results_queue = get_write_results_queue
 
@@ -154,7 +153,9 @@ def _restore_adam_steps(dist_opt: Any) -> None:
     "dummy state is made first; (2) 'a view of a leaf Variable that requires grad is being used in an in-place "
     "operation' (fp32 main params are views of model params), so the load runs under no_grad; (3) SILENT: after "
     "a dp_reshardable load every per-parameter Adam 'step' is 1 instead of the saved iteration, so the next "
-    "update differs from an uninterrupted run; the saved step is restored",
+    "update differs from an uninterrupted run; the saved step is restored; (4) 'KeyError: step' loading the "
+    "fully_reshardable format (DistributedOptimizer._set_main_param_and_optimizer_states copies every torch-Adam "
+    "state key, but that format carries 'step' in the param groups only): the missing key is left to (3)",
 )
 def patch_distributed_optimizer_load() -> None:
     from megatron.core.optimizer import distrib_optimizer as dopt
@@ -181,6 +182,19 @@ def patch_distributed_optimizer_load() -> None:
         _restore_adam_steps(self)
         return out
 
+    original_set_states = cls._set_main_param_and_optimizer_states
+
+    @functools.wraps(original_set_states)
+    def set_main_param_and_optimizer_states(self: Any, model_param: Any, tensors: dict[str, Any]) -> Any:
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            step = self.optimizer.state[main_param].get("step")
+            if step is not None:
+                tensors = {**tensors, "step": step}  # copy onto itself; the real value comes from (3)
+        return original_set_states(self, model_param, tensors)
+
     load_state_dict._megatron_sao = True  # type: ignore[attr-defined]
     cls.sharded_state_dict = sharded_state_dict
     cls.load_state_dict = load_state_dict
+    cls._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states

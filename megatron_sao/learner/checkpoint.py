@@ -1,0 +1,241 @@
+"""Learner checkpoints with megatron's dist_checkpointing (torch_dist): both models, both (distributed)
+optimizers, LR schedulers, step counters, RNG states and an opaque `extra` dict (bus de-dup state, prompt
+cursor, ...). Model weights and optimizer state reshard on load, so a run saved at one TP/EP/PP/DP layout
+resumes at another; at the same layout the resume is bit-exact.
+
+Layout on disk: `<save_dir>/iter_<version:07d>/` (one dist checkpoint) and `<save_dir>/latest` naming the
+newest complete one (written after every rank finished). Model keys are prefixed `policy.` / `value.`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatron_sao.learner.learner import Learner
+
+logger = logging.getLogger(__name__)
+
+OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+"""Optimizer state in model space: loads under any TP/EP/PP/DP (dp_reshardable would only allow DP changes)."""
+LATEST = "latest"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into this learner; the message says why and what to do."""
+
+
+def _layout() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "world": dist.get_world_size(),
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "etp": ps.get_expert_tensor_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
+    }
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _sharded_state(learner: Learner, is_loading: bool) -> dict[str, Any]:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    state: dict[str, Any] = {}
+    for role in (learner.policy, learner.value):
+        if role is None:
+            continue
+        model_sd = role.model.sharded_state_dict(prefix=f"{role.role}.")
+        state[role.role] = model_sd
+        state[f"{role.role}_optimizer"] = role.optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=OPTIMIZER_FORMAT
+        )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state["rng"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
+    return state
+
+
+def _common_state(learner: Learner, extra: dict[str, Any] | None) -> dict[str, Any]:
+    common: dict[str, Any] = {
+        "version": learner.version,
+        "trajectories_trained": learner.trajectories_trained,
+        "layout": _layout(),
+        "model": {"family": learner.spec.family.name, "hf_config": learner.spec.hf, "dtype": learner.spec.dtype},
+        "algo": learner.cfg.algo.name,
+        "extra": extra or {},
+    }
+    for role in (learner.policy, learner.value):
+        if role is not None:
+            common[f"{role.role}_scheduler"] = role.scheduler.state_dict()
+            common[f"{role.role}_optimizer_steps"] = role.optimizer_steps
+    if learner.running_mean is not None:
+        common["running_mean"] = learner.running_mean.state_dict()
+    return common
+
+
+def save_checkpoint(learner: Learner, save_dir: str | Path, extra: dict[str, Any] | None = None) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint directory."""
+    from megatron.core import dist_checkpointing
+
+    save_dir = Path(save_dir)
+    path = save_dir / f"iter_{learner.version:07d}"
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        if any(path.iterdir()):
+            raise CheckpointError(f"{path} already holds a checkpoint; remove it or save at another version")
+    dist.barrier()
+    state = _sharded_state(learner, is_loading=False)
+    state["common"] = _common_state(learner, extra)
+    dist_checkpointing.save(state, str(path))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        tmp = save_dir / f".{LATEST}.tmp"
+        tmp.write_text(path.name + "\n")
+        tmp.replace(save_dir / LATEST)  # atomic: a crash mid-save never points `latest` at a partial checkpoint
+    dist.barrier()
+    return path
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or a save_dir whose `latest` names one."""
+    path = Path(path)
+    if (path / LATEST).is_file():
+        path = path / (path / LATEST).read_text().strip()
+    if not (path / "metadata.json").is_file():
+        raise CheckpointError(f"{path} is not a megatron dist checkpoint (no metadata.json) and has no '{LATEST}'")
+    return path
+
+
+def _check_compatible(learner: Learner, common: dict[str, Any], path: Path) -> None:
+    saved = common.get("model", {})
+    if saved.get("family") != learner.spec.family.name:
+        raise CheckpointError(
+            f"{path} holds a {saved.get('family')} model but this learner builds {learner.spec.family.name}; "
+            f"point learner.load at a checkpoint of the same model"
+        )
+    keys = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads")
+    diff = {k: (saved.get("hf_config", {}).get(k), learner.spec.hf.get(k)) for k in keys}
+    diff = {k: v for k, v in diff.items() if v[0] != v[1]}
+    if diff:
+        raise CheckpointError(f"{path} was saved for another architecture: {diff} (saved, current)")
+
+
+def _chained_optimizer_state(loaded: dict[Any, Any], optimizer: Any) -> Any:
+    """Fit the loaded optimizer state to this layout's chain of optimizers.
+
+    megatron splits expert parameters into their own DistributedOptimizer only when expert parallelism needs it,
+    so a checkpoint saved with one optimizer (flat dict) may load into two ({0: ..., 1: ...}) or the reverse.
+    The tensor state is keyed by parameter name and already sits in this layout's structure; the per-optimizer
+    common part (param groups: LR, step, betas) is merged from whatever the checkpoint had, and each optimizer
+    picks its groups by megatron's group identifiers (is_expert_parallel, wd_mult, ...).
+    """
+    chain = getattr(optimizer, "chained_optimizers", [optimizer])
+    saved = (
+        [loaded]
+        if "optimizer" in loaded
+        else [
+            v
+            for k, v in sorted(loaded.items(), key=lambda kv: str(kv[0]))
+            if isinstance(k, int) and isinstance(v, dict) and "optimizer" in v
+        ]
+    )
+    if not saved:
+        raise CheckpointError("the checkpoint's optimizer state has no param groups; it was not saved by this learner")
+    groups = [g for entry in saved for g in entry["optimizer"]["param_groups"]]
+    # At EP=1 expert parameters are not marked expert-parallel; their groups serve either marking.
+    known = {
+        (g.get("wd_mult"), g.get("lr_mult"), g.get("is_expert_parallel"), g.get("is_decoupled_lr")) for g in groups
+    }
+    for g in list(groups):
+        flipped = {**g, "is_expert_parallel": not g.get("is_expert_parallel", False)}
+        key = (g.get("wd_mult"), g.get("lr_mult"), flipped["is_expert_parallel"], g.get("is_decoupled_lr"))
+        if key not in known:
+            groups.append(flipped)
+            known.add(key)
+    local = [loaded] if len(chain) == 1 else [loaded[i] for i in range(len(chain))]
+    merged = []
+    for entry in local:
+        entry = dict(entry)
+        entry["optimizer"] = {**saved[0]["optimizer"], "param_groups": groups}
+        entry.setdefault("param_state_sharding_type", saved[0].get("param_state_sharding_type"))
+        merged.append(entry)
+    return merged[0] if len(chain) == 1 else dict(enumerate(merged))
+
+
+def load_checkpoint(learner: Learner, path: str | Path, load_optimizer: bool = True) -> dict[str, Any]:
+    """Collective. Restores everything `save_checkpoint` wrote (optimizers unless load_optimizer=False) and
+    returns the `extra` dict. RNG states are restored only at the layout they were saved at."""
+    from megatron.core import dist_checkpointing
+
+    path = resolve_checkpoint(path)
+    common = dist_checkpointing.load_common_state_dict(str(path))["common"]
+    _check_compatible(learner, common, path)
+    state = _sharded_state(learner, is_loading=True)
+    if not load_optimizer:
+        state = {k: v for k, v in state.items() if not k.endswith("_optimizer")}
+    same_layout = common["layout"] == _layout()
+    if not same_layout:
+        state.pop("rng")
+        logger.warning("checkpoint layout %s differs from %s: RNG states not restored", common["layout"], _layout())
+    loaded = dist_checkpointing.load(state, str(path))
+    for role in (learner.policy, learner.value):
+        if role is None:
+            continue
+        prefix = f"{role.role}."
+        weights = {k.removeprefix(prefix): v for k, v in loaded[role.role].items()}
+        role.model.load_state_dict(weights, strict=True)
+        if not load_optimizer:
+            role.reload_main_params()
+        else:
+            role.optimizer.load_state_dict(_chained_optimizer_state(loaded[f"{role.role}_optimizer"], role.optimizer))
+            role.scheduler.load_state_dict(common[f"{role.role}_scheduler"])
+            role.optimizer_steps = int(common[f"{role.role}_optimizer_steps"])
+    learner.version = int(common["version"])
+    learner.trajectories_trained = int(common["trajectories_trained"])
+    if learner.running_mean is not None and "running_mean" in common:
+        learner.running_mean.load_state_dict(common["running_mean"])
+    if same_layout:
+        _set_rng_state(loaded["rng"])
+    return dict(common.get("extra", {}))
+
+
+def describe(path: str | Path) -> str:
+    """Human summary of a checkpoint (for logs and the CLI)."""
+    from megatron.core import dist_checkpointing
+
+    path = resolve_checkpoint(path)
+    common = dist_checkpointing.load_common_state_dict(str(path))["common"]
+    return json.dumps({k: common[k] for k in ("version", "trajectories_trained", "layout", "algo")}, indent=2)
