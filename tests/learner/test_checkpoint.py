@@ -10,7 +10,7 @@ import torch
 
 from megatron_sao.distributed import spawn_ranks
 from tests.learner.test_learner_step import learner_config, on_policy
-from tests.learner.trajectories import make_batch
+from megatron_sao.learner.synthetic import make_batch
 
 KEYS = ("value/v_loss_first", "value/v_loss", "value/grad_norm", "dis/pg_loss", "policy/grad_norm")
 

@@ -8,7 +8,7 @@ import torch
 
 from megatron_sao.config import ParallelConfig
 from megatron_sao.distributed import spawn_ranks
-from tests.learner.trajectories import make_batch
+from megatron_sao.learner.synthetic import make_batch
 
 LAYOUTS = {
     "tp1": ParallelConfig(),

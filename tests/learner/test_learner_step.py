@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_sao.distributed import spawn_ranks
-from tests.learner.trajectories import make_batch
+from megatron_sao.learner.synthetic import make_batch
 
 LAYOUTS = {
     "dp2": {},
@@ -103,10 +103,16 @@ def _compare(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], atol: f
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize(
-    "dtype,atol", [("fp32", 1e-6), pytest.param("bf16", 5e-3, marks=pytest.mark.slow)], ids=["fp32", "bf16"]
+    "family,dtype,atol",
+    [
+        ("qwen3_moe", "fp32", 1e-6),
+        pytest.param("qwen3_moe", "bf16", 5e-3, marks=pytest.mark.slow),
+        pytest.param("glm4_moe", "fp32", 1e-6, marks=pytest.mark.slow),
+        pytest.param("glm_moe_dsa", "fp32", 1e-5, marks=pytest.mark.slow),
+    ],
 )
-def test_learner_step_updates_parameters_the_same_at_every_layout(tiny_hf_dir, dtype, atol):
-    hf_dir = str(tiny_hf_dir("qwen3_moe"))
+def test_learner_step_updates_parameters_the_same_at_every_layout(tiny_hf_dir, family, dtype, atol):
+    hf_dir = str(tiny_hf_dir(family))
     trajectories = on_policy(make_batch(6, seed=3), hf_dir)
     ref = spawn_ranks(_one_step_per_layout, 1, hf_dir, trajectories, {"single": {}}, dtype, timeout_s=300)
     per_rank = spawn_ranks(_one_step_per_layout, 2, hf_dir, trajectories, LAYOUTS, dtype, timeout_s=600)

@@ -1,4 +1,4 @@
-"""Synthetic trajectories for learner tests: random multi-turn episodes with observation gaps."""
+"""Synthetic trajectories (random multi-turn episodes with observation gaps) for tests and benchmarks."""
 
 from __future__ import annotations
 
