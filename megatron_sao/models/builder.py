@@ -19,6 +19,15 @@ from megatron_sao.config.parallel import ParallelConfig
 from megatron_sao.models.families import HFConfig, ModelFamily, UnsupportedModelError, detect_family
 
 Role = Literal["policy", "value"]
+DSA_UNAVAILABLE = (
+    "model.use_dsa_indexer=true is not available: megatron-core 0.16's DSA module (experimental_attention_variant"
+    "='dsa') cannot run here and does not match transformers' GLM-5 indexer: (1) DSAIndexer rotates q/k with "
+    "fast_hadamard_transform.hadamard_transform, a CUDA-only extension that also requires bf16 inputs, while "
+    "transformers' GlmMoeDsaIndexer applies no Hadamard rotation; (2) its layer spec takes the fused q/kv "
+    "up-projections from backend.column_parallel_layer_norm_linear(), which is None without Transformer Engine. "
+    "Set model.use_dsa_indexer=false: dense MLA is exact for sequences up to config.json's index_topk, and the "
+    "indexer weights travel through checkpoints unchanged (docs/models.md)"
+)
 ROPE_MODEL_ARGS = ("rotary_base", "rotary_percent")
 VOCAB_PAD_MULTIPLE = 128
 
@@ -182,10 +191,7 @@ def build_model(
 
     use_te = transformer_engine_available() if use_te is None else use_te
     if spec.use_dsa_indexer:
-        raise UnsupportedModelError(
-            "model.use_dsa_indexer=true is not available on this build: megatron-core 0.16's DSA module needs "
-            "Transformer Engine kernels (see docs/models.md); use dense MLA (the default)"
-        )
+        raise UnsupportedModelError(DSA_UNAVAILABLE)
     block = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
     )

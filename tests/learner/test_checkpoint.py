@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megatron_sao.distributed import spawn_ranks
-from tests.learner.test_learner_step import learner_config, on_policy
 from megatron_sao.learner.synthetic import make_batch
+from tests.learner.test_learner_step import learner_config, on_policy
 
 KEYS = ("value/v_loss_first", "value/v_loss", "value/grad_norm", "dis/pg_loss", "policy/grad_norm")
 
