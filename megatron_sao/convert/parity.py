@@ -49,11 +49,13 @@ def megatron_logits(model: Any, tokens: torch.Tensor, vocab_size: int) -> torch.
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
     batch, seq = tokens.shape
-    position_ids = torch.arange(seq).unsqueeze(0).expand(batch, -1)
-    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1).view(1, 1, seq, seq).expand(batch, 1, seq, seq)
+    device = next(model.parameters()).device
+    tokens = tokens.to(device)
+    position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(batch, -1)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), 1).expand(batch, 1, seq, seq)
 
     def collect(output: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
-        return gather_from_tensor_model_parallel_region(output)[..., :vocab_size].float()
+        return gather_from_tensor_model_parallel_region(output)[..., :vocab_size].float().cpu()
 
     def forward_step(data_iterator: Any, stage: Any) -> tuple[torch.Tensor, Any]:
         tok, pos, att = next(data_iterator)
