@@ -144,7 +144,7 @@ class _Plan:
         name = canonical_from_checkpoint_key(local, ())
         yield from self.mapping.to_hf(name, tensor)
         if self.tied_lm_head and name == "embedding.word_embeddings.weight":
-            yield TIED_LM_HEAD, self.mapping.to_hf(name, tensor)[0][1]
+            yield TIED_LM_HEAD, self.mapping.to_hf(name, tensor)[0][1].clone()  # its own storage, not a view
 
 
 def _named(items: list[str]) -> str:
@@ -260,8 +260,9 @@ class _ShardWriter:
         nbytes = tensor.numel() * tensor.element_size()
         if self.buffer and self.size + nbytes > self.max_bytes:
             self._flush()
-        if tensor.untyped_storage().nbytes() != nbytes or not tensor.is_contiguous():
-            tensor = tensor.clone(memory_format=torch.contiguous_format)  # a view: own storage for safetensors
+        # Contiguous views (GLU halves, one expert of a stacked tensor) are stored as they are: safetensors accepts
+        # non-overlapping views of one storage, and copying them would hold a layer twice.
+        tensor = tensor.contiguous()
         self.buffer[name] = tensor
         self.size += nbytes
         self.total += nbytes

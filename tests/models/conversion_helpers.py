@@ -75,8 +75,9 @@ def _read_all(ckpt: str) -> tuple[dict[str, torch.Tensor], dict]:
     return {k: loaded[k] for k in request}, read_hf_source(ckpt)
 
 
-def _write_variant(src: str, dst: str, edit: Any) -> str:
-    """A copy of checkpoint `src` (whole tensors, same keys and hf_source record) with `edit(tensors)` applied."""
+def _write_variant(src: str, dst: str, edit: Any, keep_record: bool = True) -> str:
+    """A copy of checkpoint `src` (whole tensors, same keys, hf_source record unless not `keep_record`) with
+    `edit(tensors)` applied."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
@@ -86,7 +87,8 @@ def _write_variant(src: str, dst: str, edit: Any) -> str:
     edit(tensors)
     Path(dst).mkdir(parents=True)
     state: dict[str, Any] = {k: ShardedTensor.from_rank_offsets(k, t, replica_id=0) for k, t in tensors.items()}
-    state[HF_SOURCE_KEY] = record
+    if keep_record:
+        state[HF_SOURCE_KEY] = record
     dist_checkpointing.save(state, dst)
     return dst
 
@@ -114,6 +116,8 @@ def _bad_checkpoints(ckpt: str, hf: str, other_config_hf: str, root: Path) -> di
         out[f"ckpt_{case}"] = _error(
             lambda v=variant, c=case: convert_megatron_to_hf(v, root / f"o_{c}", hf, progress=False)
         )
+    unrecorded = _write_variant(ckpt, str(root / "no_record"), lambda t: None, keep_record=False)
+    out["no_record"] = _error(lambda: convert_megatron_to_hf(unrecorded, root / "back_no_record", hf, progress=False))
     out["ckpt_other_config"] = _error(
         lambda: convert_megatron_to_hf(ckpt, root / "o_other", other_config_hf, progress=False)
     )

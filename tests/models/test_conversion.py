@@ -35,6 +35,14 @@ def test_hf_megatron_hf_round_trip_is_bit_identical(name, tiny_models, conversio
         assert torch.equal(a, b), n
 
 
+def test_checkpoint_without_hf_source_record_converts_back_in_the_config_dtype(tiny_models, conversions, tmp_path):
+    assert conversions["errors"]["no_record"] == "no error"
+    back = Path(conversions["ckpt"]["qwen3_moe"]).parent / "back_no_record"
+    source, converted = HFCheckpoint(tiny_models["qwen3_moe"]), HFCheckpoint(back)
+    assert sorted(converted.names()) == sorted(source.names())
+    assert all(torch.equal(source.get(n), converted.get(n)) for n in source.names())
+
+
 def test_round_trip_writes_an_index_shards_config_and_tokenizer(tiny_models, conversions):
     back = Path(conversions["back"]["qwen3_moe"])
     index = json.loads((back / "model.safetensors.index.json").read_text())
