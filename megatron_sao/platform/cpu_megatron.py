@@ -113,16 +113,24 @@ def patch_split_sizes_to_host() -> None:
     works_around="megatron.core.dist_checkpointing.strategies.filesystem_async._get_write_results_queue",
     why="a synchronous torch_dist save starts a 'spawn' multiprocessing Manager: ~8 s per process, and it "
     "re-imports __main__ (hangs scripts without a main guard). A fork-context queue serves synchronous saves, "
-    "the only kind the CPU path makes",
+    "the only kind the CPU path makes. Its get_nowait waits for the queue's feeder thread: the synchronous "
+    "writer puts its results from this very process and retrieve_write_results reads them right away, which "
+    "otherwise fails now and then with 'results_queue should not be empty'",
 )
 def patch_checkpoint_results_queue() -> None:
+    from multiprocessing.queues import Queue
+
     from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    class FlushedQueue(Queue):
+        def get_nowait(self) -> Any:
+            return self.get(timeout=60.0)
 
     queue_holder: dict[str, Any] = {}
 
     def get_write_results_queue() -> Any:
         if "q" not in queue_holder:
-            queue_holder["q"] = mp.get_context("fork").Queue()
+            queue_holder["q"] = FlushedQueue(ctx=mp.get_context("fork"))
         return queue_holder["q"]
 
     filesystem_async._get_write_results_queue = get_write_results_queue
