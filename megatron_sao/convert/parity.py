@@ -147,6 +147,11 @@ def check_parity(
 
     if seq % parallel.tensor:
         raise ValueError(f"seq={seq} must be a multiple of tensor-parallel size {parallel.tensor} (sequence parallel)")
+    if not torch.cuda.is_available() and parallel.expert > 1 and parallel.resolved_expert_tensor > 1:
+        raise ValueError(
+            f"EP={parallel.expert} with expert-TP={parallel.resolved_expert_tensor} does not run on gloo (megatron's "
+            f"alltoall dispatcher all-gathers uneven token counts); pass --etp 1"
+        )
     spec = ModelSpec.from_hf_dir(hf_dir)
     tokens = sample_tokens(spec.vocab_size, batch, seq, seed)
     reference = hf_logits(hf_dir, tokens)
