@@ -51,14 +51,14 @@ def one_process_megatron() -> Iterator[None]:
     from megatron_sao.distributed import destroy_distributed, init_distributed
 
     if dist.is_initialized() and dist.get_world_size() != 1:
-        raise RuntimeError("checkpoint conversion runs on one process; call it outside multi-rank jobs")
+        raise ValueError("checkpoint conversion runs on one process; call it outside multi-rank jobs")
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) != 1:
-        raise RuntimeError("checkpoint conversion runs on one process; do not launch it with torchrun / srun")
+        raise ValueError("checkpoint conversion runs on one process; run it with plain python, not torchrun / srun")
     if ps.model_parallel_is_initialized():
         sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
                  ps.get_expert_model_parallel_world_size())  # fmt: skip
         if sizes != (1, 1, 1):
-            raise RuntimeError(f"conversion needs TP=PP=EP=1 parallel state, found {sizes}")
+            raise ValueError(f"conversion needs TP=PP=EP=1 parallel state, found TP/PP/EP={sizes}; destroy it first")
         yield
         return
     owned = not dist.is_initialized()
