@@ -25,6 +25,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer files (token-in/token-out)")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
+    p.add_argument(
+        "--init-std",
+        type=float,
+        default=None,
+        help="weight std (default: transformers' 0.02); also randomizes norms/biases so parity checks bite",
+    )
+    p.add_argument("--tie-embeddings", action="store_true", help="tie_word_embeddings=true (no lm_head.weight)")
+    p.add_argument("--max-shard-size", default=None, help="safetensors shard size, e.g. 50MB (default: one file)")
     a = p.parse_args(argv)
     try:
         out = make_tiny_model(
@@ -39,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
             dtype=a.dtype,
             tokenizer=not a.no_tokenizer,
             force=a.force,
+            init_std=a.init_std,
+            tie_embeddings=a.tie_embeddings,
+            max_shard_size=a.max_shard_size,
         )
     except (ValueError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -177,6 +177,57 @@ def canonical_suffix(rest: str) -> str:
     return rest
 
 
+Spec = Literal["canonical", "local", "te"]
+_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(.*)$")
+
+
+def _spec_suffix(rest: str, spec: Spec, moe_layer: bool, mla: bool) -> str:
+    """Layer-relative canonical name -> how `spec`'s TransformerLayer.sharded_state_dict() spells it.
+
+    local spec (megatron-core gpt_layer_specs): GQA layers rename both norms to TE's fused spelling through
+    `sharded_state_dict_keys_map` (MoE layers too); MLA layers keep the module names. TE spec: the input norm is
+    fused into linear_qkv (GQA) and the MLA latent norms into linear_q/kv_up_proj; the pre-MLP norm is fused into
+    linear_fc1 in dense layers and a separate module (`pre_mlp_layernorm`) in MoE layers.
+    """
+    if spec == "canonical":
+        return rest
+    fused = {
+        "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+        "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    }
+    if spec == "local":
+        return rest if mla else fused.get(rest, rest)
+    if mla:
+        fused = {
+            "self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+            "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight",
+            "pre_mlp_layernorm.weight": fused["pre_mlp_layernorm.weight"],
+        }
+    if moe_layer:
+        fused.pop("pre_mlp_layernorm.weight")
+    return fused.get(rest, rest)
+
+
+def checkpoint_key(
+    canonical_name: str, spec: Spec = "canonical", *, moe_layer: bool = False, mla: bool = False
+) -> tuple[str, tuple[int, ...]]:
+    """Canonical name -> (dist-checkpoint key, indices of the leading stacked axes) as `spec` writes it.
+
+    `spec="canonical"` is the project's on-disk key space (models/checkpoint.py writes and reads it): per-layer
+    keys with global layer numbers, canonical (local-module) suffix spellings, experts stacked on one leading
+    axis under `mlp.experts.experts.` exactly as megatron emits them for SequentialMLP and TE grouped GEMM alike.
+    `"local"` / `"te"` give what a model of that spec emits from its own `sharded_state_dict()`; the layer kind
+    (`moe_layer`, `mla`) decides the TE / local spellings of the norms. Keys carry no model prefix (`policy.`).
+    """
+    e = _EXPERT.match(canonical_name)
+    if e is not None:
+        return f"decoder.layers.{e.group(1)}.mlp.experts.experts.{e.group(3)}", (int(e.group(2)),)
+    m = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", canonical_name)
+    if m is None:
+        return canonical_name, ()
+    return f"decoder.layers.{m.group(1)}.{_spec_suffix(m.group(2), spec, moe_layer, mla)}", ()
+
+
 def canonical_from_checkpoint_key(key: str, prepended: tuple[int, ...]) -> str:
     """Dist-checkpoint key + its leading (stacked) indices -> canonical name.
 

@@ -45,7 +45,9 @@ _CORPUS = [
 ]
 
 
-def _tiny_hf_config(family: str, vocab_size: int, layers: int, hidden: int, experts: int, topk: int) -> Any:
+def _tiny_hf_config(
+    family: str, vocab_size: int, layers: int, hidden: int, experts: int, topk: int, tie_embeddings: bool
+) -> Any:
     import transformers
 
     heads = max(2, hidden // 16)
@@ -58,7 +60,7 @@ def _tiny_hf_config(family: str, vocab_size: int, layers: int, hidden: int, expe
         num_attention_heads=heads,
         num_experts_per_tok=topk,
         max_position_embeddings=4096,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_embeddings,
         bos_token_id=None,
         eos_token_id=[SPECIAL_TOKENS.index("<|im_end|>"), SPECIAL_TOKENS.index("<|endoftext|>")],
         pad_token_id=SPECIAL_TOKENS.index("<|endoftext|>"),
@@ -99,6 +101,31 @@ def _tiny_hf_config(family: str, vocab_size: int, layers: int, hidden: int, expe
     raise ValueError(f"unsupported family {family!r}; supported: {', '.join(FAMILIES)}")
 
 
+def _perturb(model: Any, init_std: float | None) -> None:
+    """Non-zero expert biases (always: conversions that drop them are caught); with `init_std`, norms and
+    biases away from their 1 / 0 initialization."""
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("e_score_correction_bias"):
+                t.copy_(torch.randn_like(t) * 0.01)
+            elif init_std is not None and name.endswith("norm.weight"):
+                t.copy_(1.0 + torch.randn_like(t) * init_std)
+            elif init_std is not None and name.endswith(".bias"):
+                t.copy_(torch.randn_like(t) * init_std)
+
+
+def _to_bf16(model: Any) -> None:
+    """Cast to bf16 except the modules transformers keeps in fp32 in bf16 checkpoints (`_keep_in_fp32_modules_strict`,
+    e.g. GLM's router weight and expert bias)."""
+    keep = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    with torch.no_grad():
+        for module_name, module in model.named_modules():
+            for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+                full = f"{module_name}.{name}" if module_name else name
+                if t.is_floating_point() and not any(k in full for k in keep):
+                    t.data = t.data.to(torch.bfloat16)
+
+
 def build_tiny_tokenizer(vocab_size: int = 384) -> Any:
     """A byte-level BPE tokenizer trained on a small built-in corpus, with chat and tool special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -137,8 +164,17 @@ def make_tiny_model(
     dtype: str = "fp32",
     tokenizer: bool = True,
     force: bool = False,
+    init_std: float | None = None,
+    tie_embeddings: bool = False,
+    max_shard_size: str | None = None,
 ) -> Path:
-    """Write a random HF model of `family` (safetensors, config.json, tokenizer files) to `out`."""
+    """Write a random HF model of `family` (safetensors, config.json, tokenizer files) to `out`.
+
+    `init_std` (None: transformers' 0.02) is the weights' standard deviation; when given, norm weights become
+    1 + N(0, init_std) and biases N(0, init_std) too, so logits are far from zero and a swapped or dropped tensor
+    changes them (a parity check against transformers is then meaningful). bf16 models keep the tensors that
+    transformers keeps in fp32 (e.g. the sigmoid router and its expert bias) in fp32, as real checkpoints do.
+    """
     from transformers import AutoModelForCausalLM
 
     out = Path(out)
@@ -150,22 +186,32 @@ def make_tiny_model(
         raise ValueError(f"hidden={hidden} must be a multiple of 16 (16-dim heads)")
     if topk > experts:
         raise ValueError(f"topk={topk} exceeds experts={experts}")
-    config = _tiny_hf_config(family, vocab_size, layers, hidden, experts, topk)
+    if init_std is not None and not init_std > 0:
+        raise ValueError(f"init_std={init_std} must be positive")
+    config = _tiny_hf_config(family, vocab_size, layers, hidden, experts, topk, tie_embeddings)
+    if init_std is not None:
+        config.initializer_range = init_std
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("e_score_correction_bias"):
-                p.copy_(torch.randn_like(p) * 0.01)  # non-zero so conversions that drop it are caught
+    _perturb(model, init_std)
     if dtype == "bf16":
-        model = model.to(torch.bfloat16)
+        _to_bf16(model)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    model.save_pretrained(out, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     if tokenizer:
         tok = build_tiny_tokenizer()
         if len(tok) > vocab_size:
             raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({len(tok)} tokens)")
         tok.save_pretrained(out)
-    meta = {"family": family, "seed": seed, "layers": layers, "hidden": hidden, "experts": experts, "topk": topk}
+    meta = {
+        "family": family,
+        "seed": seed,
+        "layers": layers,
+        "hidden": hidden,
+        "experts": experts,
+        "topk": topk,
+        "init_std": init_std,
+        "tie_embeddings": tie_embeddings,
+    }
     (out / "tiny_model.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out

@@ -9,6 +9,7 @@ conversion tools and the parity check.
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,15 @@ from megatron_sao.models.builder import ModelSpec, Role, padded_vocab_size
 from megatron_sao.models.mapping import WeightMapping, attention_shape, canonical_from_checkpoint_key
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+MAX_OPEN_FILES = 2
+"""Shard files kept open (memory-mapped) at once: touched pages of an open mapping count as resident memory, so
+streaming readers close the shards they are done with."""
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
 
 
 class WeightMismatchError(ValueError):
@@ -44,7 +54,7 @@ class HFCheckpoint:
                 with safe_open(str(f), framework="pt") as h:
                     for name in h.keys():  # noqa: SIM118 - safe_open handles are not mappings
                         self._file_of[name] = f
-        self._handles: dict[Path, Any] = {}
+        self._handles: OrderedDict[Path, Any] = OrderedDict()
 
     def names(self) -> list[str]:
         return list(self._file_of)
@@ -56,7 +66,11 @@ class HFCheckpoint:
         if name not in self._file_of:
             raise WeightMismatchError(f"HF checkpoint {self.path} has no tensor {name!r}")
         f = self._file_of[name]
-        if f not in self._handles:
+        if f in self._handles:
+            self._handles.move_to_end(f)
+        else:
+            while len(self._handles) >= MAX_OPEN_FILES:
+                self._handles.popitem(last=False)
             self._handles[f] = safe_open(str(f), framework="pt")
         return self._handles[f]
 
@@ -66,6 +80,17 @@ class HFCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> torch.dtype:
+        """The stored dtype (from the file header; no data is read)."""
+        code = self._handle(name).get_slice(name).get_dtype()
+        if code not in _SAFETENSORS_DTYPES:
+            raise WeightMismatchError(f"HF tensor {name!r} has safetensors dtype {code}, which torch cannot hold")
+        return _SAFETENSORS_DTYPES[code]
+
+    def close(self) -> None:
+        """Release the open shard files (they reopen on the next access)."""
+        self._handles.clear()
+
     def files(self) -> list[Path]:
         return sorted(set(self._file_of.values()))
 
@@ -74,6 +99,17 @@ def weight_mapping(spec: ModelSpec) -> WeightMapping:
     """The expanded HF<->megatron mapping of `spec`."""
     attn = None if spec.family.multi_latent_attention else attention_shape(spec.hf)
     return WeightMapping(spec.family.weight_rules(spec.hf), attn, spec.vocab_size)
+
+
+TIED_LM_HEAD = "lm_head.weight"
+"""With tie_word_embeddings=true megatron holds no output layer; a checkpoint that still stores lm_head.weight
+(a copy of model.embed_tokens.weight) gets it rebuilt from the embedding on the way back."""
+
+
+def is_passthrough(spec: ModelSpec, hf_name: str) -> bool:
+    """HF tensors the megatron model does not hold but checkpoints carry unchanged (family-specific: DSA indexer,
+    MTP layers)."""
+    return spec.family.passthrough(spec.hf, hf_name)
 
 
 def iter_sharded_tensors(model: Any) -> Iterator[Any]:

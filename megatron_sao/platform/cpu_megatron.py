@@ -117,6 +117,7 @@ def patch_split_sizes_to_host() -> None:
     "'results_queue should not be empty'); the CPU path makes only synchronous saves",
 )
 def patch_checkpoint_results_queue() -> None:
+
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     results: queue.Queue = queue.Queue()
