@@ -19,6 +19,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_sao.models.checkpoint import (
+    HF_SOURCE_KEY,
+    POLICY_PREFIX,
+    CheckpointMismatchError,
+    check_hf_source,
+    hf_source_record,
+    model_sharded_state_dict,
+    read_hf_source,
+)
+
 if TYPE_CHECKING:
     from megatron_sao.learner.learner import Learner
 
@@ -78,7 +88,7 @@ def _sharded_state(learner: Learner, is_loading: bool) -> dict[str, Any]:
     for role in (learner.policy, learner.value):
         if role is None:
             continue
-        model_sd = role.model.sharded_state_dict(prefix=f"{role.role}.")
+        model_sd = model_sharded_state_dict(role.model, prefix=f"{role.role}.")  # canonical, spec-independent keys
         state[role.role] = model_sd
         state[f"{role.role}_optimizer"] = role.optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading, metadata=OPTIMIZER_FORMAT
@@ -94,6 +104,7 @@ def _common_state(learner: Learner, extra: dict[str, Any] | None) -> dict[str, A
         "trajectories_trained": learner.trajectories_trained,
         "layout": _layout(),
         "model": {"family": learner.spec.family.name, "hf_config": learner.spec.hf, "dtype": learner.spec.dtype},
+        HF_SOURCE_KEY: hf_source_record(learner.spec, learner.hf_dtypes),
         "algo": learner.cfg.algo.name,
         "extra": extra or {},
     }
@@ -118,7 +129,9 @@ def save_checkpoint(learner: Learner, save_dir: str | Path, extra: dict[str, Any
             raise CheckpointError(f"{path} already holds a checkpoint; remove it or save at another version")
     dist.barrier()
     state = _sharded_state(learner, is_loading=False)
-    state["common"] = _common_state(learner, extra)
+    common = _common_state(learner, extra)
+    state[HF_SOURCE_KEY] = common.pop(HF_SOURCE_KEY)  # top level: where tools/convert_megatron_to_hf.py reads it
+    state["common"] = common
     dist_checkpointing.save(state, str(path))
     dist.barrier()
     if dist.get_rank() == 0:
@@ -137,6 +150,40 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not (path / "metadata.json").is_file():
         raise CheckpointError(f"{path} is not a megatron dist checkpoint (no metadata.json) and has no '{LATEST}'")
     return path
+
+
+def _load_weights(model: Any, loaded: dict[str, Any], prefix: str, path: Path, allow_missing: str = "") -> None:
+    weights = {k.removeprefix(prefix): v for k, v in loaded.items() if k.startswith(prefix)}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [
+        k for k in missing if not k.endswith("._extra_state") and not (allow_missing and k.startswith(allow_missing))
+    ]
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: missing {missing[:8]}, unexpected {unexpected[:8]} ({prefix}*)")
+
+
+def load_pretrained(learner: Learner, path: str | Path) -> None:
+    """Initialize both models from a weights-only checkpoint (tools/convert_hf_to_megatron.py output, or the
+    policy of a learner checkpoint): the value backbone starts from the policy's weights, its head stays new."""
+    from megatron.core import dist_checkpointing
+
+    path = resolve_checkpoint(path)
+    record = read_hf_source(path)
+    if record is not None:
+        try:
+            check_hf_source(record, learner.spec, "this learner's model")
+        except CheckpointMismatchError as e:
+            raise CheckpointError(str(e)) from None
+    for role in (learner.policy, learner.value):
+        if role is None:
+            continue
+        sharded = model_sharded_state_dict(role.model, POLICY_PREFIX)
+        head = "output_layer." if role.role == "value" else ""
+        if head:
+            sharded = {k: v for k, v in sharded.items() if not k.startswith(POLICY_PREFIX + head)}
+        loaded = dist_checkpointing.load(sharded, str(path))
+        _load_weights(role.model, loaded, POLICY_PREFIX, path, allow_missing=head)
+        role.reload_main_params()
 
 
 def _check_compatible(learner: Learner, common: dict[str, Any], path: Path) -> None:
@@ -214,9 +261,7 @@ def load_checkpoint(learner: Learner, path: str | Path, load_optimizer: bool = T
     for role in (learner.policy, learner.value):
         if role is None:
             continue
-        prefix = f"{role.role}."
-        weights = {k.removeprefix(prefix): v for k, v in loaded[role.role].items()}
-        role.model.load_state_dict(weights, strict=True)
+        _load_weights(role.model, loaded[role.role], f"{role.role}.", path)
         if not load_optimizer:
             role.reload_main_params()
         else:

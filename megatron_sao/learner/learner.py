@@ -66,6 +66,8 @@ class Learner:
                 total_steps=learner.max_steps * algo.value.updates_per_policy_step,
                 use_distributed_optimizer=learner.use_distributed_optimizer, seed=learner.seed,
             )  # fmt: skip
+        self.hf_dtypes: dict[str, torch.dtype] = {}
+        """dtypes of the HF tensors the weights came from (recorded in checkpoints for the reverse conversion)."""
         self.version = 0
         """Policy weight version: the number of policy optimizer steps taken (engines tag tokens with it)."""
         self.trajectories_trained = 0
@@ -80,6 +82,7 @@ class Learner:
     def load_hf(self, hf_dir: str) -> None:
         """Initialize both models from an HF checkpoint (the value backbone starts from the policy's weights)."""
         hf = HFCheckpoint(hf_dir)
+        self.hf_dtypes = {name: hf.dtype(name) for name in hf.names()}
         load_hf_weights(self.policy.model, self.spec, hf, role="policy")
         self.policy.reload_main_params()
         if self.value is not None:
