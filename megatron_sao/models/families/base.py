@@ -3,6 +3,7 @@ HF<->megatron weight mapping (mapping/) of its checkpoints. One module per famil
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -115,3 +116,26 @@ def dense_first_layers(hf: HFConfig) -> int:
             raise UnsupportedModelError("mlp_layer_types with dense layers after the first MoE layer are not mapped")
         return first
     return int(hf_get(hf, "first_k_dense_replace", 0))
+
+
+def dense_then_moe_rules(hf: HFConfig, attention_rules: Callable[[int], list[Rule]]) -> list[Rule]:
+    """Weight rules of the GLM / DeepSeek layout: `first_k_dense_replace` dense layers, then MoE layers with a
+    sigmoid router, expert bias and optional shared experts; `attention_rules(layer)` gives the attention."""
+    from megatron_sao.models.mapping import dense_mlp_rules, embedding_rules, moe_mlp_rules, norm_rules
+
+    rules = embedding_rules(bool(hf_get(hf, "tie_word_embeddings", False)))
+    dense = dense_first_layers(hf)
+    shared = int(hf_get(hf, "n_shared_experts", 0) or 0) > 0
+    for layer in range(int(hf_get(hf, "num_hidden_layers", required=True))):
+        rules += norm_rules(layer) + attention_rules(layer)
+        if layer < dense:
+            rules += dense_mlp_rules(layer)
+        else:
+            rules += moe_mlp_rules(layer, int(hf["n_routed_experts"]), shared_experts=shared, expert_bias=True)
+    return rules
+
+
+def is_mtp_weight(hf: HFConfig, name: str) -> bool:
+    """Multi-token-prediction layers sit after the last decoder layer in GLM/DeepSeek checkpoints."""
+    m = re.match(r"^model\.layers\.(\d+)\.", name)
+    return m is not None and int(m.group(1)) >= int(hf_get(hf, "num_hidden_layers", required=True))

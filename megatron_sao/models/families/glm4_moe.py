@@ -3,14 +3,15 @@ layout), leading dense layers, sigmoid router with expert bias, one shared exper
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from megatron_sao.models.families.base import (
     HFConfig,
     ModelFamily,
     dense_first_layers,
+    dense_then_moe_rules,
     hf_get,
+    is_mtp_weight,
     moe_layer_pattern,
     require_default_rope,
     rope_theta,
@@ -18,11 +19,7 @@ from megatron_sao.models.families.base import (
 )
 from megatron_sao.models.mapping import (
     Rule,
-    dense_mlp_rules,
-    embedding_rules,
     gqa_attention_rules,
-    moe_mlp_rules,
-    norm_rules,
 )
 
 
@@ -32,27 +29,13 @@ def partial_rotary_factor(hf: HFConfig) -> float:
 
 
 def weight_rules(hf: HFConfig) -> list[Rule]:
-    rules = embedding_rules(bool(hf_get(hf, "tie_word_embeddings", False)))
-    layers = int(hf_get(hf, "num_hidden_layers", required=True))
-    dense = dense_first_layers(hf)
-    shared = int(hf_get(hf, "n_shared_experts", 0) or 0) > 0
-    for layer in range(layers):
-        rules += norm_rules(layer)
-        rules += gqa_attention_rules(
-            layer, bool(hf_get(hf, "attention_bias", False)), bool(hf_get(hf, "use_qk_norm", False))
-        )
-        if layer < dense:
-            rules += dense_mlp_rules(layer)
-        else:
-            rules += moe_mlp_rules(layer, int(hf["n_routed_experts"]), shared_experts=shared, expert_bias=True)
-    return rules
+    bias, qk_norm = bool(hf_get(hf, "attention_bias", False)), bool(hf_get(hf, "use_qk_norm", False))
+    return dense_then_moe_rules(hf, lambda layer: gqa_attention_rules(layer, bias, qk_norm))
 
 
 def passthrough(hf: HFConfig, name: str) -> bool:
     """GLM-4.5 checkpoints carry multi-token-prediction layers after the last decoder layer; kept, not built."""
-    layers = int(hf_get(hf, "num_hidden_layers", required=True))
-    m = re.match(r"^model\.layers\.(\d+)\.", name)
-    return m is not None and int(m.group(1)) >= layers
+    return is_mtp_weight(hf, name)
 
 
 def architecture(hf: HFConfig) -> dict[str, Any]:

@@ -2,19 +2,21 @@
 a DeepSeek sparse-attention (DSA) indexer, leading dense layers, sigmoid router with expert bias, shared expert.
 
 The learner builds dense MLA by default. DSA restricts each query to the indexer's top-k keys; for sequences
-no longer than `index_topk` every key is selected, so dense MLA is exact there. `model.use_dsa_indexer`
-switches megatron-core's experimental DSA module on (see docs/models.md for what runs where)."""
+no longer than `index_topk` every key is selected, so dense MLA is exact there, and the indexer's weights travel
+through checkpoints unchanged. `model.use_dsa_indexer=true` is refused with the reasons megatron-core 0.16's DSA
+module cannot serve (builder.DSA_UNAVAILABLE, docs/models.md)."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from megatron_sao.models.families.base import (
     HFConfig,
     ModelFamily,
     dense_first_layers,
+    dense_then_moe_rules,
     hf_get,
+    is_mtp_weight,
     moe_layer_pattern,
     require_default_rope,
     rope_theta,
@@ -22,34 +24,18 @@ from megatron_sao.models.families.base import (
 )
 from megatron_sao.models.mapping import (
     Rule,
-    dense_mlp_rules,
-    embedding_rules,
     mla_attention_rules,
-    moe_mlp_rules,
-    norm_rules,
 )
 
 
 def weight_rules(hf: HFConfig) -> list[Rule]:
-    rules = embedding_rules(bool(hf_get(hf, "tie_word_embeddings", False)))
-    layers = int(hf_get(hf, "num_hidden_layers", required=True))
-    dense = dense_first_layers(hf)
-    shared = int(hf_get(hf, "n_shared_experts", 0) or 0) > 0
-    for layer in range(layers):
-        rules += norm_rules(layer)
-        rules += mla_attention_rules(layer, q_lora=hf_get(hf, "q_lora_rank") is not None)
-        if layer < dense:
-            rules += dense_mlp_rules(layer)
-        else:
-            rules += moe_mlp_rules(layer, int(hf["n_routed_experts"]), shared_experts=shared, expert_bias=True)
-    return rules
+    q_lora = hf_get(hf, "q_lora_rank") is not None
+    return dense_then_moe_rules(hf, lambda layer: mla_attention_rules(layer, q_lora=q_lora))
 
 
 def passthrough(hf: HFConfig, name: str) -> bool:
     """The DSA indexer's weights (dense MLA does not use them) and any MTP layers travel unchanged."""
-    layers = int(hf_get(hf, "num_hidden_layers", required=True))
-    m = re.match(r"^model\.layers\.(\d+)\.", name)
-    return m is not None and (int(m.group(1)) >= layers or ".self_attn.indexer." in name)
+    return is_mtp_weight(hf, name) or (name.startswith("model.layers.") and ".self_attn.indexer." in name)
 
 
 def architecture(hf: HFConfig) -> dict[str, Any]:
