@@ -8,6 +8,7 @@ turns and observations). Bump SCHEMA_VERSION on any incompatible change.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -15,6 +16,9 @@ import msgspec
 import numpy as np
 
 SCHEMA_VERSION = 1
+
+MAX_ID_CHARS = 512
+"""Longest accepted trajectory / prompt / worker / engine id."""
 
 FinishReason = Literal["stop", "length", "abort", "turn_limit", "token_limit", "error"]
 """Why the episode ended: stop (model or environment finished), length (the last turn hit max_new_tokens),
@@ -94,10 +98,22 @@ class Trajectory:
         return int(v.min()) if v.size else None
 
     def validate(self) -> None:
-        """Raise ValueError naming the field when the arrays and header disagree."""
+        """Raise ValueError naming the field when the arrays and header disagree or hold impossible values.
+
+        Checked: schema version; ids non-empty and at most MAX_ID_CHARS; dtype, rank and length of every array;
+        prompt_len and the turn ranges ordered inside [0, T); action_mask True exactly on the turns' action
+        ranges (hence never in the prompt); token ids >= 0; finite log-probs and rewards; weight versions >= 0 on
+        action tokens. Cost O(T) with a few numpy passes (the receiver runs it on every message).
+        """
         h = self.header
         if h.schema_version != SCHEMA_VERSION:
             raise ValueError(f"schema_version {h.schema_version} != {SCHEMA_VERSION}")
+        for name in ("trajectory_id", "prompt_id", "worker_id", "engine_id"):
+            value = getattr(h, name)
+            if len(value) > MAX_ID_CHARS or (not value and name != "engine_id"):
+                raise ValueError(f"{name} {value[:40]!r}... must be 1..{MAX_ID_CHARS} characters")
+        if h.num_tokens < 1 or h.sample_index < 0:
+            raise ValueError(f"num_tokens {h.num_tokens} must be >= 1 and sample_index {h.sample_index} >= 0")
         for name, dtype in ARRAY_DTYPES.items():
             arr = getattr(self, name)
             if not isinstance(arr, np.ndarray) or arr.dtype != dtype or arr.ndim != 1:
@@ -107,10 +123,31 @@ class Trajectory:
                 raise ValueError(f"{name}: length {arr.shape[0]} != header.num_tokens {h.num_tokens}")
         if not 0 <= h.prompt_len <= h.num_tokens:
             raise ValueError(f"prompt_len {h.prompt_len} outside [0, num_tokens={h.num_tokens}]")
-        if self.action_mask[: h.prompt_len].any():
-            raise ValueError("action_mask is True inside the prompt")
+        self._validate_turns()
+        self._validate_values()
+
+    def _validate_turns(self) -> None:
+        h = self.header
         prev_end = h.prompt_len
+        num_action = 0
         for i, t in enumerate(h.turns):
             if not prev_end <= t.action_start <= t.action_end <= t.observation_end <= h.num_tokens:
                 raise ValueError(f"turns[{i}] ranges {t} are not ordered inside [{prev_end}, {h.num_tokens}]")
+            if t.reward is not None and not math.isfinite(t.reward):
+                raise ValueError(f"turns[{i}].reward {t.reward} is not finite")
+            if not self.action_mask[t.action_start : t.action_end].all():
+                raise ValueError(f"action_mask is False in turns[{i}] actions {t.action_start}..{t.action_end}")
+            num_action += t.action_end - t.action_start
             prev_end = t.observation_end
+        if int(np.count_nonzero(self.action_mask)) != num_action:
+            raise ValueError("action_mask is True outside the turns' action ranges (prompt or observation tokens)")
+
+    def _validate_values(self) -> None:
+        if not math.isfinite(self.header.reward):
+            raise ValueError(f"reward {self.header.reward} is not finite")
+        if int(self.tokens.min()) < 0:
+            raise ValueError("tokens: negative token id")
+        if not np.isfinite(self.rollout_logprobs).all():
+            raise ValueError("rollout_logprobs: NaN or infinite value")
+        if self.action_mask.any() and int(self.weight_versions[self.action_mask].min()) < 0:
+            raise ValueError("weight_versions: negative version on an action token")

@@ -1,0 +1,192 @@
+"""TrajectoryReceiver: the learner's end of the bus (the API the learner loop codes against).
+
+Owned here: taking trajectories off the I/O thread's queue on the caller's thread, de-duplication (dedup.py) and
+the staleness gate (staleness.py) at the moment the learner takes them, commits, and the checkpointable state.
+Called by the learner loop (one thread). Socket work happens on the I/O thread in receiver_io.py.
+
+Exactly-once as seen by training: call `state_dict()`, save it inside the learner checkpoint, then `commit()`.
+Only committed trajectories are forgotten by producers; after a crash, restore the receiver with the state of
+the checkpoint the learner resumes from (`TrajectoryReceiver(cfg, state=...)` or `load_state_dict`), and every
+trajectory not in it arrives again while those in it are dropped as duplicates.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from megatron_sao.bus.dedup import DedupState
+from megatron_sao.bus.metrics import Counters
+from megatron_sao.bus.protocol import Reason
+from megatron_sao.bus.receiver_io import Inbox, Item, ReceiverIO
+from megatron_sao.bus.schema import Trajectory
+from megatron_sao.bus.staleness import StalenessGate
+from megatron_sao.config.bus import BusConfig
+
+_COUNTERS = ("received", "accepted", "accepted_bytes", "duplicates", "duplicates_by_id", "rejected")
+
+
+class TrajectoryReceiver:
+    """Binds `cfg.bind` and receives trajectories from any number of TrajectorySenders.
+
+    recv() returns trajectories whose arrays are read-only views on the received frames (copy to modify).
+    """
+
+    def __init__(
+        self,
+        cfg: BusConfig,
+        current_version: Callable[[], int] | None = None,
+        *,
+        state: dict[str, Any] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self._counters = Counters(*_COUNTERS, *(f"rejected_{r.value}" for r in Reason))
+        self._dedup = DedupState(cfg.dedup_recent_ids, cfg.max_streams)
+        self._gate = StalenessGate(
+            current_version, cfg.max_staleness, cfg.stale_policy, cfg.stale_log_dir, cfg.stale_recent_ids
+        )
+        self._inbox = Inbox()
+        self._pending_commit: dict[str, tuple[int, tuple[int, ...]]] | None = None
+        self._closed = False
+        if state is not None:
+            self._load(state)
+        self._io = ReceiverIO(cfg, self._counters, self._inbox)
+        self._io.start()
+
+    # ---- receiving ---------------------------------------------------------------------------------------------
+
+    def recv(self, timeout_s: float | None = None) -> Trajectory | None:
+        """The next accepted trajectory, or None when none arrived within timeout_s (None: wait forever)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            item = self._take(deadline)
+            if item is None:
+                return None
+            traj = self._admit(item)
+            if traj is not None:
+                return traj
+
+    def recv_batch(self, n: int, timeout_s: float | None = None) -> list[Trajectory]:
+        """Up to n trajectories: waits until n arrived or timeout_s passed (None: until n arrived)."""
+        if n < 1:
+            raise ValueError(f"recv_batch(n={n}): n must be >= 1")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        out: list[Trajectory] = []
+        while len(out) < n:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            traj = self.recv(remaining)
+            if traj is None:
+                break
+            out.append(traj)
+        return out
+
+    def _take(self, deadline: float | None) -> Item | None:
+        inbox = self._inbox
+        with inbox.cv:
+            while not inbox.queue:
+                if inbox.error is not None:
+                    raise RuntimeError("bus receiver I/O thread failed; see the log") from inbox.error
+                if self._closed:
+                    raise RuntimeError("TrajectoryReceiver is closed")
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                inbox.cv.wait(remaining)
+            item = inbox.queue.popleft()
+            inbox.queued_bytes -= item.nbytes
+            inbox.freed += 1
+        self._io.wake()
+        return item
+
+    def _admit(self, item: Item) -> Trajectory | None:
+        traj = item.traj
+        verdict = self._dedup.check_and_add(item.stream, item.seq, item.base, traj.trajectory_id)
+        if verdict != "new":
+            self._counters.add("duplicates")
+            if verdict == "duplicate_id":
+                self._counters.add("duplicates_by_id")
+            return None
+        if not self._gate.admit(traj):
+            return None
+        self._counters.add("accepted")
+        self._counters.add("accepted_bytes", item.nbytes)
+        return traj
+
+    # ---- durability --------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON/msgpack-able de-dup state covering every trajectory returned so far; save it in the checkpoint.
+
+        It also marks what the next commit() covers (trajectories returned after this call are not included).
+        """
+        sd = self._dedup.state_dict()
+        self._pending_commit = {k: (low, tuple(above)) for k, (low, above) in sd["streams"].items()}
+        return sd
+
+    def commit(self) -> None:
+        """Tell producers that what the last state_dict() covered is durable; they may drop it for good.
+
+        Call right after the checkpoint holding that state_dict() is safely written. Without any state_dict()
+        since the last commit, it commits everything returned so far (for runs that never checkpoint the bus).
+        """
+        view = self._pending_commit if self._pending_commit is not None else self._dedup.committed_view()
+        self._pending_commit = None
+        with self._inbox.cv:
+            old = self._inbox.committed
+            self._inbox.committed = view
+            self._inbox.dirty.update(k for k, v in view.items() if old.get(k) != v)
+            latest_base = dict(self._inbox.latest_base)
+        forgotten = self._dedup.prune(latest_base)
+        self._counters.add("streams_forgotten", forgotten)
+        self._counters.add("commits")
+        self._io.wake()
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore the state saved in the checkpoint the learner resumes from (call before the first recv)."""
+        self._load(d)
+        self._io.wake()
+
+    def _load(self, d: dict[str, Any]) -> None:
+        self._dedup.load_state_dict(d)
+        view = self._dedup.committed_view()  # it was in a checkpoint, so it is committed
+        self._pending_commit = None
+        with self._inbox.cv:
+            self._inbox.committed = view
+            self._inbox.dirty.update(view)
+
+    # ---- introspection and shutdown ------------------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, float]:
+        """Counters (accepted, duplicates, rejected_<reason>, stale_dropped, bytes, ...) and gauges."""
+        out = self._counters.snapshot()
+        out.update(self._gate.metrics())
+        with self._inbox.cv:
+            out["queued"] = float(len(self._inbox.queue))
+            out["queued_bytes"] = float(self._inbox.queued_bytes)
+        out["sessions"] = float(len(self._io.book.sessions))
+        out["streams"] = float(len(self._dedup.streams))
+        return out
+
+    def stale_ids(self) -> list[str]:
+        """Ids of the most recent trajectories over max_staleness (dropped or kept), oldest first."""
+        return list(self._gate.recent)
+
+    @property
+    def incarnation(self) -> str:
+        """Random id of this receiver process; producers resend everything uncommitted when it changes."""
+        return self._io.incarnation
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._inbox.cv:
+            self._inbox.cv.notify_all()
+        self._io.stop()
+
+    def __enter__(self) -> TrajectoryReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
