@@ -47,6 +47,7 @@ class TrajectoryReceiver:
             current_version, cfg.max_staleness, cfg.stale_policy, cfg.stale_log_dir, cfg.stale_recent_ids
         )
         self._inbox = Inbox()
+        self._wake_batch = max(1, min(cfg.recv_queue_size, cfg.max_inflight) // 8)
         self._pending_commit: dict[str, tuple[int, tuple[int, ...]]] | None = None
         self._closed = False
         if state is not None:
@@ -96,7 +97,10 @@ class TrajectoryReceiver:
             item = inbox.queue.popleft()
             inbox.queued_bytes -= item.nbytes
             inbox.freed += 1
-        self._io.wake()
+            # return credits in batches, but at once when the queue ran dry (the producers must not starve)
+            wake = inbox.freed >= self._wake_batch or not inbox.queue
+        if wake:
+            self._io.wake()
         return item
 
     def _admit(self, item: Item) -> Trajectory | None:

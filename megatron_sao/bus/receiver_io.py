@@ -31,6 +31,7 @@ from megatron_sao.config.bus import BusConfig
 log = logging.getLogger(__name__)
 
 _DRAIN_BATCH = 256  # messages read per loop iteration before acks and credits go out
+_ACK_BATCH = 32  # receipt acks sent together (credits are never held back)
 _MONITOR_EVENTS = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth_failed",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake_failed",
@@ -121,8 +122,7 @@ class ReceiverIO:
     def stop(self, timeout_s: float = 5.0) -> None:
         with self.inbox.cv:
             self.inbox.stopping = True
-        with self._wake_lock:
-            self._wake_tx.send(b"")
+        self.wake()
         self.thread.join(timeout_s)
         if self.thread.is_alive():
             raise RuntimeError(f"bus receiver I/O thread did not stop within {timeout_s}s")
@@ -156,7 +156,7 @@ class ReceiverIO:
         poller = zmq.Poller()
         for sock in (self.router, self._wake_rx, self.monitor):
             poller.register(sock, zmq.POLLIN)
-        tick = min(self.cfg.heartbeat_s, 0.5)
+        tick = min(self.cfg.heartbeat_s, self.cfg.resend_after_s / 4, 0.5)
         next_tick = time.monotonic() + tick
         while True:
             ready = dict(poller.poll(max(0.0, next_tick - time.monotonic()) * 1000))
@@ -167,20 +167,18 @@ class ReceiverIO:
             if self.monitor in ready:
                 self._drain_monitor()
             now = time.monotonic()
-            if now >= next_tick:
+            tick_due = now >= next_tick
+            if tick_due:
+                self._take_freed()
                 for s in self.book.expire(now, self.cfg.peer_timeout_s):
                     self.counters.add("sessions_expired")
                     self._to_ack.pop(s.rid, None)
                 next_tick = now + tick
-            self._grant_and_ack()
+            self._grant_and_ack(force=tick_due)
 
     def _on_wake(self) -> bool:
         """Take freed slots and new commits from the inbox; True when asked to stop."""
-        while True:
-            try:
-                self._wake_rx.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
+        self._wake_rx.recv()  # exactly one: wake() sends only while wake_pending was False
         with self.inbox.cv:
             self.inbox.wake_pending = False
             freed, self.inbox.freed = self.inbox.freed, 0
@@ -195,7 +193,13 @@ class ReceiverIO:
                 self._send(rid, protocol.Commit(self.incarnation, low, list(above)))
         return stopping
 
-    def _grant_and_ack(self) -> None:
+    def _take_freed(self) -> None:
+        with self.inbox.cv:
+            freed, self.inbox.freed = self.inbox.freed, 0
+        self.book.freed(freed)
+
+    def _grant_and_ack(self, force: bool) -> None:
+        """Send credits at once; receipt acks alone wait for _ACK_BATCH of them or the next tick (force)."""
         allow = self.inbox.queued_bytes < self.cfg.recv_queue_bytes  # int read; a stale value only delays a grant
         for s in self.book.allocate(allow):
             self._to_ack[s.rid] = s
@@ -203,10 +207,14 @@ class ReceiverIO:
             return
         pending, self._to_ack = self._to_ack, {}
         for rid, s in pending.items():
-            if rid in self.book.sessions and (s.acks or s.granted != s.granted_sent):
+            if rid not in self.book.sessions:
+                continue
+            if s.granted != s.granted_sent or len(s.acks) >= _ACK_BATCH or (force and s.acks):
                 self._send(rid, protocol.Ack(self.incarnation, s.nonce, s.acks, s.granted))
                 s.acks = []
                 s.granted_sent = s.granted
+            elif s.acks:
+                self._to_ack[rid] = s
 
     def _send(self, rid: bytes, msg: protocol.ToSender) -> None:
         try:
@@ -230,22 +238,24 @@ class ReceiverIO:
                 self.counters.add(name)
 
     def _drain_router(self) -> None:
-        for _ in range(_DRAIN_BATCH):
-            try:
-                rid = self.router.recv(zmq.NOBLOCK)
-            except zmq.Again:
+        """Read up to _DRAIN_BATCH messages (poll said at least one is there)."""
+        for i in range(_DRAIN_BATCH):
+            if i and not self.router.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # cheaper than catching zmq.Again
                 return
-            frames, early = self._recv_parts()
-            self._handle(rid, frames, early)
+            head = self.router.recv(copy=False)
+            frames, early = self._recv_parts(head.more)
+            self._handle(head.bytes, frames, early)
 
-    def _recv_parts(self) -> tuple[list[zmq.Frame], Reason | None]:
+    def _recv_parts(self, more: bool) -> tuple[list[zmq.Frame], Reason | None]:
         """The rest of a message; past the frame-count or byte limits, later parts are read and dropped at once."""
         frames: list[zmq.Frame] = []
         total = 0
         early: Reason | None = None
         max_parts = 1 + codec.NUM_PAYLOAD_FRAMES
-        while self.router.rcvmore:
-            part = self.router.recv(copy=False)
+        recv = self.router.recv
+        while more:
+            part = recv(copy=False)
+            more = part.more
             if early is not None:
                 continue
             total += len(part)

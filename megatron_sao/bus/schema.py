@@ -94,13 +94,15 @@ class Trajectory:
 
     def oldest_version(self) -> int | None:
         """Smallest weight version among generated tokens (None when nothing was generated)."""
-        v = self.weight_versions[self.action_mask]
-        return int(v.min()) if v.size else None
+        if not self.action_mask.any():
+            return None
+        return int(np.min(self.weight_versions, where=self.action_mask, initial=np.iinfo(np.int32).max))
 
     def validate(self) -> None:
         """Raise ValueError naming the field when the arrays and header disagree or hold impossible values.
 
-        Checked: schema version; ids non-empty and at most MAX_ID_CHARS; dtype, rank and length of every array;
+        Checked: schema version; trajectory_id non-empty, ids at most MAX_ID_CHARS; dtype, rank and length of each
+        array;
         prompt_len and the turn ranges ordered inside [0, T); action_mask True exactly on the turns' action
         ranges (hence never in the prompt); token ids >= 0; finite log-probs and rewards; weight versions >= 0 on
         action tokens. Cost O(T) with a few numpy passes (the receiver runs it on every message).
@@ -108,10 +110,12 @@ class Trajectory:
         h = self.header
         if h.schema_version != SCHEMA_VERSION:
             raise ValueError(f"schema_version {h.schema_version} != {SCHEMA_VERSION}")
+        if not h.trajectory_id:
+            raise ValueError("trajectory_id is empty; it is the identity the bus de-duplicates on")
         for name in ("trajectory_id", "prompt_id", "worker_id", "engine_id"):
             value = getattr(h, name)
-            if len(value) > MAX_ID_CHARS or (not value and name != "engine_id"):
-                raise ValueError(f"{name} {value[:40]!r}... must be 1..{MAX_ID_CHARS} characters")
+            if len(value) > MAX_ID_CHARS:
+                raise ValueError(f"{name} {value[:40]!r}... is longer than {MAX_ID_CHARS} characters")
         if h.num_tokens < 1 or h.sample_index < 0:
             raise ValueError(f"num_tokens {h.num_tokens} must be >= 1 and sample_index {h.sample_index} >= 0")
         for name, dtype in ARRAY_DTYPES.items():
@@ -130,24 +134,29 @@ class Trajectory:
         h = self.header
         prev_end = h.prompt_len
         num_action = 0
+        num_marked = 0
         for i, t in enumerate(h.turns):
             if not prev_end <= t.action_start <= t.action_end <= t.observation_end <= h.num_tokens:
                 raise ValueError(f"turns[{i}] ranges {t} are not ordered inside [{prev_end}, {h.num_tokens}]")
             if t.reward is not None and not math.isfinite(t.reward):
                 raise ValueError(f"turns[{i}].reward {t.reward} is not finite")
-            if not self.action_mask[t.action_start : t.action_end].all():
-                raise ValueError(f"action_mask is False in turns[{i}] actions {t.action_start}..{t.action_end}")
             num_action += t.action_end - t.action_start
+            num_marked += int(np.count_nonzero(self.action_mask[t.action_start : t.action_end]))
             prev_end = t.observation_end
+        if num_marked != num_action:
+            raise ValueError("action_mask is False on some token inside a turn's action range")
         if int(np.count_nonzero(self.action_mask)) != num_action:
             raise ValueError("action_mask is True outside the turns' action ranges (prompt or observation tokens)")
 
     def _validate_values(self) -> None:
-        if not math.isfinite(self.header.reward):
-            raise ValueError(f"reward {self.header.reward} is not finite")
+        """Runs after _validate_turns: the action tokens are exactly the turns' action ranges."""
+        h = self.header
+        if not math.isfinite(h.reward):
+            raise ValueError(f"reward {h.reward} is not finite")
         if int(self.tokens.min()) < 0:
             raise ValueError("tokens: negative token id")
         if not np.isfinite(self.rollout_logprobs).all():
             raise ValueError("rollout_logprobs: NaN or infinite value")
-        if self.action_mask.any() and int(self.weight_versions[self.action_mask].min()) < 0:
-            raise ValueError("weight_versions: negative version on an action token")
+        for i, t in enumerate(h.turns):
+            if t.action_end > t.action_start and int(self.weight_versions[t.action_start : t.action_end].min()) < 0:
+                raise ValueError(f"weight_versions: negative version on an action token of turns[{i}]")

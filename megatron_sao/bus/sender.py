@@ -197,8 +197,7 @@ class TrajectorySender:
         with self._outbox.cv:
             self._outbox.stopping = True
             left = len(self._outbox.entries)
-        with self._wake_lock:
-            self._wake_tx.send(b"")
+        self._wake()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             raise RuntimeError(f"bus sender I/O thread did not stop within {timeout_s}s")

@@ -114,11 +114,7 @@ class SenderIO:
         while True:
             ready = dict(poller.poll(tick_ms))
             if wake_rx in ready:
-                while True:
-                    try:
-                        wake_rx.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
+                wake_rx.recv()  # exactly one: the caller sends only while wake_pending was False
                 with self.outbox.cv:
                     self.outbox.wake_pending = False
                     if self.outbox.stopping:
@@ -175,11 +171,11 @@ class SenderIO:
     # ---- incoming ----------------------------------------------------------------------------------------------
 
     def _drain(self) -> None:
-        while True:
-            try:
-                parts = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        """Handle every message from the receiver that is there (poll said at least one)."""
+        first = True
+        while first or self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            first = False
+            parts = self.sock.recv_multipart()
             try:
                 msg = protocol.decode_to_sender(parts[0]) if len(parts) == 1 else None
             except msgspec.DecodeError:
@@ -282,6 +278,7 @@ class SenderIO:
                 seq = self.outbox.unsent.popleft()
                 e = self.outbox.entries.get(seq)
                 if e is not None and e.state == UNSENT:
+                    self.outbox.cv.notify_all()  # a send() may be waiting for room in the unsent queue
                     return e, self.outbox.base(), self.sent + 1 + len(self.outbox.unsent)
         return None
 
