@@ -102,10 +102,9 @@ class Trajectory:
         """Raise ValueError naming the field when the arrays and header disagree or hold impossible values.
 
         Checked: schema version; trajectory_id non-empty, ids at most MAX_ID_CHARS; dtype, rank and length of each
-        array;
-        prompt_len and the turn ranges ordered inside [0, T); action_mask True exactly on the turns' action
-        ranges (hence never in the prompt); token ids >= 0; finite log-probs and rewards; weight versions >= 0 on
-        action tokens. Cost O(T) with a few numpy passes (the receiver runs it on every message).
+        array; prompt_len and the turn ranges ordered inside [0, T); action_mask True exactly on the turns'
+        action ranges (hence never in the prompt); token ids >= 0; finite log-probs and rewards; weight versions
+        >= 0 on action tokens. Cost O(T) with a few numpy passes (the receiver runs it on every message).
         """
         h = self.header
         if h.schema_version != SCHEMA_VERSION:
