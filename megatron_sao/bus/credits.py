@@ -1,8 +1,9 @@
 """Receiver-side sessions and credits: who may send how many trajectories, so the learner's memory stays bounded.
 
 Owned here: one `Session` per producer connection (its stream, cumulative credit counters, last activity) and the
-`CreditBook` that grants credits out of a receiver-wide pool of `recv_queue_size` slots, at most `max_inflight` per
-session, only to sessions that asked (demand), round-robin. A slot is taken by a granted credit, held by the queued
+`CreditBook` that grants credits out of a receiver-wide pool of `recv_queue_size` slots, only to sessions that
+asked (demand), round-robin, so that no session has more than `max_inflight` trajectories granted-but-unsent or
+queued for the learner. A slot is taken by a granted credit, held by the queued
 trajectory, and freed when the learner takes it (or at once when the message is refused). Called by
 receiver_io.py on the I/O thread only (no locking here).
 
@@ -28,6 +29,7 @@ class Session:
     demand: int = 0  # cumulative data messages the producer wants to send (from Hello / Ping / Data)
     granted: int = 0  # cumulative credits granted
     received: int = 0  # cumulative data messages received (accepted or not)
+    queued: int = 0  # its trajectories waiting in the learner's queue
     granted_sent: int = 0  # `granted` as last told to the producer
     acks: list[int] = field(default_factory=list)  # receipt acks not yet sent
 
@@ -101,7 +103,7 @@ class CreditBook:
             s = self.sessions.get(rid)
             if s is None:
                 continue
-            want = min(s.demand, s.received + self.per_session) - s.granted
+            want = min(s.demand - s.granted, self.per_session - s.outstanding - s.queued)
             if want <= 0:
                 continue  # not hungry any more; update_demand / freed credits put it back
             give = min(want, max(1, free // (len(self._hungry) + 1)))
@@ -112,10 +114,17 @@ class CreditBook:
                 self._hungry[rid] = None  # still hungry: back of the round-robin
         return changed
 
-    def freed(self, n: int) -> None:
-        """The learner took n queued trajectories: their slots return; every session may want more now."""
-        self.slots_used -= n
+    def enqueued(self, s: Session) -> None:
+        """A trajectory of `s` went into the learner's queue: it holds a slot until the learner takes it."""
+        self.slots_used += 1
+        s.queued += 1
+
+    def freed(self, rids: list[bytes]) -> None:
+        """The learner took these sessions' queued trajectories: their slots return; senders may want more now."""
+        self.slots_used -= len(rids)
         assert self.slots_used >= 0, self.slots_used
-        if n:
-            for rid in self.sessions:
-                self._hungry.setdefault(rid, None)
+        for rid in rids:
+            s = self.sessions.get(rid)
+            if s is not None:
+                s.queued -= 1
+                self._hungry[rid] = None

@@ -96,9 +96,9 @@ class TrajectoryReceiver:
                 inbox.cv.wait(remaining)
             item = inbox.queue.popleft()
             inbox.queued_bytes -= item.nbytes
-            inbox.freed += 1
+            inbox.freed.append(item.rid)
             # return credits in batches, but at once when the queue ran dry (the producers must not starve)
-            wake = inbox.freed >= self._wake_batch or not inbox.queue
+            wake = len(inbox.freed) >= self._wake_batch or not inbox.queue
         if wake:
             self._io.wake()
         return item

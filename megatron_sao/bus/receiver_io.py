@@ -46,6 +46,7 @@ class Item:
     """A checked trajectory waiting for the learner."""
 
     traj: Trajectory
+    rid: bytes  # routing id of the connection it came on (its credit returns there)
     stream: str  # dedup.stream_key of its producer
     seq: int  # its sequence number in the stream
     base: int  # the producer's base when it was sent
@@ -59,7 +60,7 @@ class Inbox:
         self.cv = threading.Condition()
         self.queue: deque[Item] = deque()
         self.queued_bytes = 0
-        self.freed = 0  # slots the learner freed since the I/O thread last looked
+        self.freed: list[bytes] = []  # routing ids of the trajectories the learner took since the I/O thread looked
         self.committed: dict[str, tuple[int, tuple[int, ...]]] = {}  # stream -> (low, above): in a checkpoint
         self.dirty: set[str] = set()  # streams whose commit state changed and must be told
         self.latest_base: dict[str, int] = {}  # stream -> the producer's latest base (for dedup pruning)
@@ -181,7 +182,7 @@ class ReceiverIO:
         self._wake_rx.recv()  # exactly one: wake() sends only while wake_pending was False
         with self.inbox.cv:
             self.inbox.wake_pending = False
-            freed, self.inbox.freed = self.inbox.freed, 0
+            freed, self.inbox.freed = self.inbox.freed, []
             dirty, self.inbox.dirty = self.inbox.dirty, set()
             committed = self.inbox.committed
             stopping = self.inbox.stopping
@@ -195,7 +196,7 @@ class ReceiverIO:
 
     def _take_freed(self) -> None:
         with self.inbox.cv:
-            freed, self.inbox.freed = self.inbox.freed, 0
+            freed, self.inbox.freed = self.inbox.freed, []
         self.book.freed(freed)
 
     def _grant_and_ack(self, force: bool) -> None:
@@ -358,10 +359,10 @@ class ReceiverIO:
             return self._reject(e.reason, e.detail, rid, env.seq)
         nbytes = codec.payload_nbytes(payload)
         with self.inbox.cv:
-            self.inbox.queue.append(Item(traj, s.stream, env.seq, env.base, nbytes))
+            self.inbox.queue.append(Item(traj, rid, s.stream, env.seq, env.base, nbytes))
             self.inbox.queued_bytes += nbytes
             self.inbox.cv.notify()
-        self.book.slots_used += 1
+        self.book.enqueued(s)
         s.acks.append(env.seq)
         self._to_ack[rid] = s
         self.counters.add("received")
