@@ -63,12 +63,22 @@ def configure_server(sock: zmq.Socket, cfg: BusConfig) -> None:
     sock.curve_server = True
 
 
-def configure_client(sock: zmq.Socket, cfg: BusConfig) -> None:
-    """Give a producer socket its CURVE identity and the server's public key when configured."""
+ClientKeys = tuple[bytes, bytes, bytes]
+"""(server public key, client public key, client secret key)."""
+
+
+def load_client_keys(cfg: BusConfig) -> ClientKeys | None:
+    """A producer's CURVE keys from its key files (None when CURVE is off); raises ValueError with the fix."""
     if cfg.curve_server_public_key is None or cfg.curve_client_key is None:
-        return
+        return None
     server_public, _ = _load(cfg.curve_server_public_key, "bus.curve_server_public_key", need_secret=False)
     public, secret = _load(cfg.curve_client_key, "bus.curve_client_key", need_secret=True)
-    sock.curve_serverkey = server_public
-    sock.curve_publickey = public
-    sock.curve_secretkey = secret
+    assert secret is not None
+    return server_public, public, secret
+
+
+def configure_client(sock: zmq.Socket, keys: ClientKeys | None) -> None:
+    """Give a producer socket its CURVE identity and the server's public key (no-op without keys)."""
+    if keys is None:
+        return
+    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys

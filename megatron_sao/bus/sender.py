@@ -37,39 +37,57 @@ class TrajectorySender:
         self.cfg = cfg
         self.worker_id = worker_id
         self._limits = codec.Limits(cfg.max_frame_bytes, cfg.max_message_bytes, cfg.max_header_bytes)
+        keys = auth.load_client_keys(cfg)  # config errors first, before anything is created
         self._spool = Spool(cfg.spool_dir, worker_id, cfg.spool_fsync) if cfg.spool_dir else None
         epoch = self._spool.epoch if self._spool else secrets.token_hex(8)
         self._outbox = Outbox(next_seq=self._spool.peek_next_seq if self._spool else 0)
         if self._spool is not None:
-            for se in self._spool.entries:
-                self._outbox.add(Entry(se.seq, se.trajectory_id, se.nbytes, None))
-            if self._spool.entries or self._spool.quarantined:
-                log.info(
-                    "bus: worker %s resumes %d spooled trajectories (%d corrupt files quarantined)",
-                    worker_id,
-                    len(self._spool.entries),
-                    len(self._spool.quarantined),
-                )
+            self._resume_spool()
         self._closed = False
         self._ctx = zmq.Context()
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection; a dead one is resent after Hello
-        sock.setsockopt(zmq.SNDHWM, cfg.max_inflight + 64)
-        sock.setsockopt(zmq.MAXMSGSIZE, 4 * protocol.MAX_ENVELOPE_BYTES)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        auth.configure_client(sock, cfg)
-        sock.connect(cfg.connect_address)
-        wake_addr = f"inproc://sao-bus-send-{epoch}-{id(self)}"
-        self._wake_rx = self._ctx.socket(zmq.PAIR)
-        self._wake_rx.bind(wake_addr)
-        self._wake_tx = self._ctx.socket(zmq.PAIR)
-        self._wake_tx.connect(wake_addr)
+        try:
+            sock = self._open_socket(keys)
+            wake_addr = f"inproc://sao-bus-send-{epoch}-{id(self)}"
+            self._wake_rx = self._ctx.socket(zmq.PAIR)
+            self._wake_rx.bind(wake_addr)
+            self._wake_tx = self._ctx.socket(zmq.PAIR)
+            self._wake_tx.connect(wake_addr)
+        except (zmq.ZMQError, ValueError):
+            self._ctx.destroy(linger=0)
+            if self._spool is not None:
+                self._spool.close()
+            raise
         self._wake_lock = threading.Lock()
         self._io = SenderIO(cfg, worker_id, epoch, sock, self._outbox, self._spool)
         self._thread = threading.Thread(target=self._run, name=f"sao-bus-sender-{worker_id}", daemon=True)
         self._thread.start()
+
+    def _resume_spool(self) -> None:
+        assert self._spool is not None
+        for se in self._spool.entries:
+            self._outbox.add(Entry(se.seq, se.trajectory_id, se.nbytes, None))
+        if self._spool.entries or self._spool.quarantined:
+            log.info(
+                "bus: worker %s resumes %d spooled trajectories (%d corrupt files quarantined)",
+                self.worker_id,
+                len(self._spool.entries),
+                len(self._spool.quarantined),
+            )
+
+    def _open_socket(self, keys: auth.ClientKeys | None) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection; a dead one is resent after Hello
+        sock.setsockopt(zmq.SNDHWM, self.cfg.max_inflight + 64)
+        sock.setsockopt(zmq.MAXMSGSIZE, 4 * protocol.MAX_ENVELOPE_BYTES)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        auth.configure_client(sock, keys)
+        try:
+            sock.connect(self.cfg.connect_address)
+        except zmq.ZMQError as e:
+            raise ValueError(f"bus sender cannot connect to {self.cfg.connect_address} ({e}); fix bus.connect") from e
+        return sock
 
     def _run(self) -> None:
         try:
