@@ -136,7 +136,7 @@ class SenderIO:
             log.warning("bus: no answer from %s for %.1fs; reconnecting", self.cfg.connect_address, silent)
             self.counters.add("peer_timeouts")
             return self._hello(now)
-        while self.inflight and self.outbox.entries.get(self.inflight[0][1], None) is None:
+        while self.inflight and not self._awaiting_receipt(self.inflight[0][1]):
             self.inflight.popleft()
         if self.inflight and now - self.inflight[0][0] > self.cfg.resend_after_s:
             self.counters.add("resend_timeouts")
@@ -150,6 +150,10 @@ class SenderIO:
             self.reported_demand = demand
             self._send_control(protocol.Ping(base, demand))
         return None
+
+    def _awaiting_receipt(self, seq: int) -> bool:
+        e = self.outbox.entries.get(seq)
+        return e is not None and e.state == SENT
 
     def _hello(self, now: float) -> None:
         """(Re)open the session; whatever the answer, data waits for its Welcome."""

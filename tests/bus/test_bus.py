@@ -185,3 +185,15 @@ def test_binding_a_taken_address_is_a_clear_error() -> None:
     cfg = fast_cfg(free_addr())
     with TrajectoryReceiver(cfg), pytest.raises(ValueError, match="cannot bind"):
         TrajectoryReceiver(cfg)
+
+
+def test_received_but_uncommitted_trajectories_are_not_resent_on_a_timer() -> None:
+    cfg = fast_cfg(free_addr(), resend_after_s=0.3)
+    with TrajectoryReceiver(cfg) as r, TrajectorySender(cfg, "p") as s:
+        for k in range(3):
+            s.send(traj(k), timeout_s=5)
+        assert len(_drain(r, 3)) == 3
+        time.sleep(1.0)  # the learner trains, no checkpoint yet
+        m = s.metrics()
+        assert m.get("resend_timeouts", 0) == 0 and m["resent"] == 0 and m["uncommitted"] == 3
+        assert r.recv(timeout_s=0.1) is None
