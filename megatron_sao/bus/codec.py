@@ -71,10 +71,6 @@ def encode(traj: Trajectory) -> list[bytes | memoryview]:
     return frames
 
 
-def payload_nbytes(frames: Sequence[_Buffer]) -> int:
-    return sum(len(f) for f in frames)
-
-
 def check_sizes(frames: Sequence[_Buffer], limits: Limits) -> int:
     """Frame count and size limits; returns the total bytes. Raises FrameError."""
     if len(frames) != NUM_PAYLOAD_FRAMES:
@@ -97,32 +93,36 @@ def _buffer(frame: object) -> memoryview | bytes:
     return buf
 
 
-def decode(frames: Sequence[object], limits: Limits) -> Trajectory:
-    """Frames (header + arrays) -> validated Trajectory whose arrays view the frames. Raises FrameError."""
-    check_sizes(frames, limits)  # type: ignore[arg-type]
+def decode(frames: Sequence[object], limits: Limits) -> tuple[Trajectory, int]:
+    """Frames (header + arrays) -> (validated Trajectory whose arrays view the frames, payload bytes).
+
+    traj.extras["oldest_version"] is set from the validation pass. Raises FrameError.
+    """
+    nbytes = check_sizes(frames, limits)  # type: ignore[arg-type]
     head = _buffer(frames[0])
-    try:
-        version = _PEEK_DECODER.decode(head).schema_version
-    except msgspec.DecodeError as e:
-        raise FrameError(Reason.MALFORMED, f"header frame: {e}") from e
-    if version != SCHEMA_VERSION:
-        raise FrameError(Reason.SCHEMA_VERSION, f"schema_version {version}, this receiver speaks {SCHEMA_VERSION}")
     try:
         header = _HEADER_DECODER.decode(head)
     except msgspec.DecodeError as e:
-        raise FrameError(Reason.MALFORMED, f"header frame: {e}") from e
+        try:  # tell another schema version apart from garbage
+            version = _PEEK_DECODER.decode(head).schema_version
+        except msgspec.DecodeError:
+            raise FrameError(Reason.MALFORMED, f"header frame: {e}") from e
+        if version == SCHEMA_VERSION:
+            raise FrameError(Reason.MALFORMED, f"header frame: {e}") from e
+        raise FrameError(Reason.SCHEMA_VERSION, f"schema_version {version}, expected {SCHEMA_VERSION}") from e
+    if header.schema_version != SCHEMA_VERSION:
+        raise FrameError(Reason.SCHEMA_VERSION, f"schema_version {header.schema_version}, expected {SCHEMA_VERSION}")
     arrays = []
     for frame, (name, dtype) in zip(frames[1:], ARRAY_DTYPES.items()):
         buf = _buffer(frame)
-        expected = header.num_tokens * dtype.itemsize
-        if len(buf) != expected or header.num_tokens < 0:
+        if len(buf) != header.num_tokens * dtype.itemsize or header.num_tokens < 0:
             raise FrameError(Reason.ARRAY_SIZE, f"{name}: {len(buf)} bytes, header says {header.num_tokens} tokens")
         arr = np.frombuffer(buf, dtype=dtype)
         arr.flags.writeable = False  # a view on the received message: copy before writing
         arrays.append(arr)
     traj = Trajectory(header, *arrays)
     try:
-        traj.validate()
+        traj.extras["oldest_version"] = traj.validated_oldest_version()
     except ValueError as e:
         raise FrameError(Reason.INVALID, str(e)) from e
-    return traj
+    return traj, nbytes

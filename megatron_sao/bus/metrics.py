@@ -21,6 +21,11 @@ class Counters:
         with self._lock:
             self._values[name] += amount
 
+    def add_many(self, **amounts: float) -> None:
+        with self._lock:
+            for name, amount in amounts.items():
+                self._values[name] += amount
+
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             return dict(self._values)

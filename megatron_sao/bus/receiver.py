@@ -113,8 +113,7 @@ class TrajectoryReceiver:
             return None
         if not self._gate.admit(traj):
             return None
-        self._counters.add("accepted")
-        self._counters.add("accepted_bytes", item.nbytes)
+        self._counters.add_many(accepted=1, accepted_bytes=item.nbytes)
         return traj
 
     # ---- durability --------------------------------------------------------------------------------------------

@@ -354,10 +354,9 @@ class ReceiverIO:
             detail = f"seq {env.seq} outside [base {env.base}, base + max_uncommitted {self.cfg.max_uncommitted})"
             return self._reject(Reason.PROTOCOL, detail, rid, env.seq)
         try:
-            traj = codec.decode(payload, self.limits)
+            traj, nbytes = codec.decode(payload, self.limits)
         except codec.FrameError as e:
             return self._reject(e.reason, e.detail, rid, env.seq)
-        nbytes = codec.payload_nbytes(payload)
         with self.inbox.cv:
             self.inbox.queue.append(Item(traj, rid, s.stream, env.seq, env.base, nbytes))
             self.inbox.queued_bytes += nbytes

@@ -101,6 +101,13 @@ class Trajectory:
     def validate(self) -> None:
         """Raise ValueError naming the field when the arrays and header disagree or hold impossible values.
 
+        See validated_oldest_version() for what is checked.
+        """
+        self.validated_oldest_version()
+
+    def validated_oldest_version(self) -> int | None:
+        """validate(), returning oldest_version() from the same pass over the arrays (the receiver's hot path).
+
         Checked: schema version; trajectory_id non-empty, ids at most MAX_ID_CHARS; dtype, rank and length of each
         array; prompt_len and the turn ranges ordered inside [0, T); action_mask True exactly on the turns'
         action ranges (hence never in the prompt); token ids >= 0; finite log-probs and rewards; weight versions
@@ -127,7 +134,7 @@ class Trajectory:
         if not 0 <= h.prompt_len <= h.num_tokens:
             raise ValueError(f"prompt_len {h.prompt_len} outside [0, num_tokens={h.num_tokens}]")
         self._validate_turns()
-        self._validate_values()
+        return self._validate_values()
 
     def _validate_turns(self) -> None:
         h = self.header
@@ -147,7 +154,7 @@ class Trajectory:
         if int(np.count_nonzero(self.action_mask)) != num_action:
             raise ValueError("action_mask is True outside the turns' action ranges (prompt or observation tokens)")
 
-    def _validate_values(self) -> None:
+    def _validate_values(self) -> int | None:
         """Runs after _validate_turns: the action tokens are exactly the turns' action ranges."""
         h = self.header
         if not math.isfinite(h.reward):
@@ -156,6 +163,11 @@ class Trajectory:
             raise ValueError("tokens: negative token id")
         if not np.isfinite(self.rollout_logprobs).all():
             raise ValueError("rollout_logprobs: NaN or infinite value")
+        oldest: int | None = None
         for i, t in enumerate(h.turns):
-            if t.action_end > t.action_start and int(self.weight_versions[t.action_start : t.action_end].min()) < 0:
-                raise ValueError(f"weight_versions: negative version on an action token of turns[{i}]")
+            if t.action_end > t.action_start:
+                low = int(self.weight_versions[t.action_start : t.action_end].min())
+                if low < 0:
+                    raise ValueError(f"weight_versions: negative version on an action token of turns[{i}]")
+                oldest = low if oldest is None else min(oldest, low)
+        return oldest

@@ -63,7 +63,7 @@ class StalenessGate:
         if self._current_version is None:
             return True
         current = int(self._current_version())
-        oldest = traj.oldest_version()
+        oldest = traj.extras["oldest_version"] if "oldest_version" in traj.extras else traj.oldest_version()
         staleness = 0 if oldest is None else current - oldest
         traj.extras["staleness"] = staleness
         self._observe(max(staleness, 0))

@@ -24,7 +24,8 @@ def test_round_trip_is_exact_and_zero_copy() -> None:
     sent = codec.encode(t)
     assert np.shares_memory(np.frombuffer(sent[1], np.int32), t.tokens)  # send side: the array's own memory
     wire = _frames(t)
-    got = codec.decode(wire, LIMITS)
+    got, nbytes = codec.decode(wire, LIMITS)
+    assert nbytes == sum(len(f) for f in wire) and got.extras["oldest_version"] == t.oldest_version()
     assert got.header == t.header
     for name in ("tokens", "rollout_logprobs", "action_mask", "weight_versions"):
         np.testing.assert_array_equal(getattr(got, name), getattr(t, name))
