@@ -24,6 +24,8 @@ from megatron_sao.bus.schema import Trajectory
 from megatron_sao.bus.staleness import StalenessGate
 from megatron_sao.config.bus import BusConfig
 
+_BATCH_SLICE_S = 0.005  # recv_batch looks at the queue at least this often while waiting for several
+
 _COUNTERS = ("received", "accepted", "accepted_bytes", "duplicates", "duplicates_by_id", "rejected")
 
 
@@ -59,14 +61,8 @@ class TrajectoryReceiver:
 
     def recv(self, timeout_s: float | None = None) -> Trajectory | None:
         """The next accepted trajectory, or None when none arrived within timeout_s (None: wait forever)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            item = self._take(deadline)
-            if item is None:
-                return None
-            traj = self._admit(item)
-            if traj is not None:
-                return traj
+        got = self.recv_batch(1, timeout_s)
+        return got[0] if got else None
 
     def recv_batch(self, n: int, timeout_s: float | None = None) -> list[Trajectory]:
         """Up to n trajectories: waits until n arrived or timeout_s passed (None: until n arrived)."""
@@ -75,33 +71,48 @@ class TrajectoryReceiver:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         out: list[Trajectory] = []
         while len(out) < n:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            traj = self.recv(remaining)
-            if traj is None:
+            items = self._take(n - len(out), deadline)
+            if not items:
                 break
-            out.append(traj)
+            for item in items:
+                traj = self._admit(item)
+                if traj is not None:
+                    out.append(traj)
         return out
 
-    def _take(self, deadline: float | None) -> Item | None:
+    def _take(self, want: int, deadline: float | None) -> list[Item]:
+        """Up to `want` queued items; [] at the deadline.
+
+        Waiting for several, the I/O thread wakes this thread only once `want` are queued, and this thread looks
+        every _BATCH_SLICE_S anyway (the queue may never hold `want`: credits cap it), so a batch costs one
+        wake-up rather than one per trajectory.
+        """
         inbox = self._inbox
         with inbox.cv:
-            while not inbox.queue:
+            sliced = False
+            while len(inbox.queue) < want and not (sliced and inbox.queue):
                 if inbox.error is not None:
                     raise RuntimeError("bus receiver I/O thread failed; see the log") from inbox.error
                 if self._closed:
                     raise RuntimeError("TrajectoryReceiver is closed")
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    return None
+                    break
+                inbox.waiting_for = want
+                if want > 1:
+                    remaining = _BATCH_SLICE_S if remaining is None else min(remaining, _BATCH_SLICE_S)
+                    sliced = True
                 inbox.cv.wait(remaining)
-            item = inbox.queue.popleft()
-            inbox.queued_bytes -= item.nbytes
-            inbox.freed.append(item.rid)
+            inbox.waiting_for = 0
+            items = [inbox.queue.popleft() for _ in range(min(want, len(inbox.queue)))]
+            for item in items:
+                inbox.queued_bytes -= item.nbytes
+                inbox.freed.append(item.rid)
             # return credits in batches, but at once when the queue ran dry (the producers must not starve)
-            wake = len(inbox.freed) >= self._wake_batch or not inbox.queue
+            wake = bool(items) and (len(inbox.freed) >= self._wake_batch or not inbox.queue)
         if wake:
             self._io.wake()
-        return item
+        return items
 
     def _admit(self, item: Item) -> Trajectory | None:
         traj = item.traj

@@ -60,6 +60,7 @@ class Inbox:
         self.cv = threading.Condition()
         self.queue: deque[Item] = deque()
         self.queued_bytes = 0
+        self.waiting_for = 0  # how many queued items the learner waits for (0: it is not waiting)
         self.freed: list[bytes] = []  # routing ids of the trajectories the learner took since the I/O thread looked
         self.committed: dict[str, tuple[int, tuple[int, ...]]] = {}  # stream -> (low, above): in a checkpoint
         self.dirty: set[str] = set()  # streams whose commit state changed and must be told
@@ -360,7 +361,8 @@ class ReceiverIO:
         with self.inbox.cv:
             self.inbox.queue.append(Item(traj, rid, s.stream, env.seq, env.base, nbytes))
             self.inbox.queued_bytes += nbytes
-            self.inbox.cv.notify()
+            if 0 < self.inbox.waiting_for <= len(self.inbox.queue):
+                self.inbox.cv.notify()
         self.book.enqueued(s)
         s.acks.append(env.seq)
         self._to_ack[rid] = s

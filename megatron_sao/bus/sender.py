@@ -138,7 +138,8 @@ class TrajectorySender:
             if h.trajectory_id in ob.ids:
                 self._io.counters.add("duplicate_sends")
                 return
-            self._wait(lambda: self._has_room(nbytes), deadline, "send")
+            if not self._has_room(nbytes, 0):  # blocked: resume once half the queue left, not per trajectory
+                self._wait(lambda: self._has_room(nbytes, self.cfg.max_inflight // 2), deadline, "send")
             seq = self._spool.next_seq() if self._spool is not None else ob.next_seq
             ob.next_seq = seq + 1
             if self._spool is not None:
@@ -146,9 +147,9 @@ class TrajectorySender:
             ob.add(Entry(seq, h.trajectory_id, nbytes, frames))
         self._wake()
 
-    def _has_room(self, nbytes: int) -> bool:
+    def _has_room(self, nbytes: int, slack: int) -> bool:
         ob = self._outbox
-        if len(ob.unsent) >= self.cfg.max_inflight or len(ob.entries) >= self.cfg.max_uncommitted:
+        if len(ob.unsent) + slack >= self.cfg.max_inflight or len(ob.entries) >= self.cfg.max_uncommitted:
             return False
         return self._spool is not None or not ob.entries or ob.mem_bytes + nbytes <= self.cfg.max_uncommitted_bytes
 

@@ -282,7 +282,8 @@ class SenderIO:
                 seq = self.outbox.unsent.popleft()
                 e = self.outbox.entries.get(seq)
                 if e is not None and e.state == UNSENT:
-                    self.outbox.cv.notify_all()  # a send() may be waiting for room in the unsent queue
+                    if len(self.outbox.unsent) + self.cfg.max_inflight // 2 < self.cfg.max_inflight:
+                        self.outbox.cv.notify_all()  # a blocked send() resumes below half the queue
                     return e, self.outbox.base(), self.sent + 1 + len(self.outbox.unsent)
         return None
 
