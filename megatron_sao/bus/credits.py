@@ -48,11 +48,13 @@ class CreditBook:
         self.sessions: dict[bytes, Session] = {}
         self.by_stream: dict[str, bytes] = {}
         self.slots_used = 0  # trajectories queued for the learner (enqueued - freed)
+        self._outstanding = 0
         self._hungry: OrderedDict[bytes, None] = OrderedDict()  # sessions that may want credits, round-robin
 
     @property
     def outstanding(self) -> int:
-        return sum(s.outstanding for s in self.sessions.values())
+        """Credits granted and not used yet, over all sessions (kept incrementally)."""
+        return self._outstanding
 
     def open(self, rid: bytes, stream: str, worker_id: str, demand: int, now: float) -> Session:
         """Start a session (a Hello); an older session of the same stream is closed first (reconnect)."""
@@ -70,6 +72,7 @@ class CreditBook:
         """Forget a session; its unused credits return to the pool."""
         s = self.sessions.pop(rid, None)
         if s is not None:
+            self._outstanding -= s.outstanding
             self._hungry.pop(rid, None)
             if self.by_stream.get(s.stream) == rid:
                 del self.by_stream[s.stream]
@@ -84,7 +87,10 @@ class CreditBook:
         """Count one data message; False when it came without a credit (the producer broke the protocol)."""
         s.received += 1
         self._hungry[s.rid] = None  # a used credit may be replaced (per-session cap)
-        return s.received <= s.granted
+        if s.received <= s.granted:
+            self._outstanding -= 1
+            return True
+        return False
 
     def expire(self, now: float, timeout_s: float) -> list[Session]:
         dead = [s for s in self.sessions.values() if now - s.last_seen > timeout_s]
@@ -108,6 +114,7 @@ class CreditBook:
                 continue  # not hungry any more; update_demand / freed credits put it back
             give = min(want, max(1, free // (len(self._hungry) + 1)))
             s.granted += give
+            self._outstanding += give
             free -= give
             changed.append(s)
             if give < want:

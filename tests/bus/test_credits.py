@@ -71,3 +71,15 @@ def test_closed_and_expired_sessions_return_their_credits() -> None:
     assert b"b" not in book.sessions and book.by_stream["b#e"] == b"b2"
     book.allocate(True)
     assert b2.granted == 4
+
+
+def test_outstanding_count_matches_the_sessions() -> None:
+    book = CreditBook(slots=50, per_session=7)
+    sessions = [book.open(bytes([i]), f"s{i}#e", f"s{i}", demand=20, now=0.0) for i in range(5)]
+    book.allocate(True)
+    for s in sessions[:3]:
+        for _ in range(4):
+            book.on_data(s)
+    book.on_data(sessions[0])  # more than granted later on is counted in `received` only
+    book.close(sessions[4].rid)
+    assert book.outstanding == sum(s.outstanding for s in book.sessions.values())
