@@ -139,7 +139,8 @@ class TrajectorySender:
                 self._io.counters.add("duplicate_sends")
                 return
             if not self._has_room(nbytes, 0):  # blocked: resume once half the queue left, not per trajectory
-                self._wait(lambda: self._has_room(nbytes, self.cfg.max_inflight // 2), deadline, "send")
+                slack = self.cfg.max_inflight // 2
+                self._wait(lambda: self._has_room(nbytes, slack), deadline, lambda: self._why_blocked(slack))
             seq = self._spool.next_seq() if self._spool is not None else ob.next_seq
             ob.next_seq = seq + 1
             if self._spool is not None:
@@ -153,25 +154,26 @@ class TrajectorySender:
             return False
         return self._spool is not None or not ob.entries or ob.mem_bytes + nbytes <= self.cfg.max_uncommitted_bytes
 
-    def _wait(self, ready: Callable[[], bool], deadline: float | None, what: str) -> bool:
-        """Wait on the outbox condition (held by the caller) until ready(); False on deadline for flush."""
+    def _wait(self, ready: Callable[[], bool], deadline: float | None, why: Callable[[], str] | None) -> bool:
+        """Wait on the outbox condition (held by the caller) until ready(); at the deadline raise TimeoutError(why())
+        or, without `why` (flush), return False."""
         ob = self._outbox
         while not ready():
             if ob.error is not None:
                 raise RuntimeError("bus sender I/O thread failed; see the log") from ob.error
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                if what == "flush":
+                if why is None:
                     return False
-                raise TimeoutError(self._why_blocked())
+                raise TimeoutError(why())
             ob.cv.wait(remaining if remaining is None else min(remaining, 1.0))
         return True
 
-    def _why_blocked(self) -> str:
+    def _why_blocked(self, slack: int) -> str:
         ob, io = self._outbox, self._io
         if not io.welcomed:
             return f"bus: no receiver answers at {self.cfg.connect_address} (is the learner up? same CURVE keys?)"
-        if len(ob.unsent) >= self.cfg.max_inflight:
+        if len(ob.unsent) + slack >= self.cfg.max_inflight:
             return (
                 f"bus: {len(ob.unsent)} trajectories wait for credits (bus.max_inflight={self.cfg.max_inflight}): "
                 "the learner is not taking trajectories fast enough"
@@ -187,7 +189,7 @@ class TrajectorySender:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._wake()
         with self._outbox.cv:
-            return self._wait(lambda: not self._outbox.entries, deadline, "flush")
+            return self._wait(lambda: not self._outbox.entries, deadline, None)
 
     def pending_ids(self) -> list[str]:
         """Ids of trajectories sent (or spooled) but not yet committed, oldest first."""

@@ -197,3 +197,16 @@ def test_received_but_uncommitted_trajectories_are_not_resent_on_a_timer() -> No
         m = s.metrics()
         assert m.get("resend_timeouts", 0) == 0 and m["resent"] == 0 and m["uncommitted"] == 3
         assert r.recv(timeout_s=0.1) is None
+
+
+def test_uncommitted_window_blocks_until_the_learner_commits() -> None:
+    cfg = fast_cfg(free_addr(), max_uncommitted=4)
+    with TrajectoryReceiver(cfg) as r, TrajectorySender(cfg, "p") as s:
+        for k in range(4):
+            s.send(traj(k), timeout_s=5)
+        assert len(_drain(r, 4)) == 4
+        with pytest.raises(TimeoutError, match="commit"):
+            s.send(traj(4), timeout_s=0.3)
+        r.commit()
+        s.send(traj(4), timeout_s=5)
+        assert _drain(r, 1) == ["w-4"]
