@@ -108,11 +108,18 @@ class Trajectory:
     def validated_oldest_version(self) -> int | None:
         """validate(), returning oldest_version() from the same pass over the arrays (the receiver's hot path).
 
-        Checked: schema version; trajectory_id non-empty, ids at most MAX_ID_CHARS; dtype, rank and length of each
-        array; prompt_len and the turn ranges ordered inside [0, T); action_mask True exactly on the turns'
-        action ranges (hence never in the prompt); token ids >= 0; finite log-probs and rewards; weight versions
-        >= 0 on action tokens. Cost O(T) with a few numpy passes (the receiver runs it on every message).
+        Checked: everything check_shapes() checks; action_mask True exactly on the turns' action ranges (hence
+        never in the prompt); token ids >= 0; finite log-probs and rewards; weight versions >= 0 on action tokens.
+        Cost O(T) with a few numpy passes (the receiver runs it on every message).
         """
+        self.check_shapes()
+        self._validate_mask()
+        return self._validate_values()
+
+    def check_shapes(self) -> None:
+        """The cheap part of validate() (no pass over the arrays): schema version; trajectory_id non-empty, ids at
+        most MAX_ID_CHARS; dtype, rank and length of each array; prompt_len and the turn ranges ordered inside
+        [0, T); finite rewards. Raises ValueError."""
         h = self.header
         if h.schema_version != SCHEMA_VERSION:
             raise ValueError(f"schema_version {h.schema_version} != {SCHEMA_VERSION}")
@@ -133,38 +140,37 @@ class Trajectory:
                 raise ValueError(f"{name}: length {arr.shape[0]} != header.num_tokens {h.num_tokens}")
         if not 0 <= h.prompt_len <= h.num_tokens:
             raise ValueError(f"prompt_len {h.prompt_len} outside [0, num_tokens={h.num_tokens}]")
-        self._validate_turns()
-        return self._validate_values()
-
-    def _validate_turns(self) -> None:
-        h = self.header
+        if not math.isfinite(h.reward):
+            raise ValueError(f"reward {h.reward} is not finite")
         prev_end = h.prompt_len
-        num_action = 0
-        num_marked = 0
         for i, t in enumerate(h.turns):
             if not prev_end <= t.action_start <= t.action_end <= t.observation_end <= h.num_tokens:
                 raise ValueError(f"turns[{i}] ranges {t} are not ordered inside [{prev_end}, {h.num_tokens}]")
             if t.reward is not None and not math.isfinite(t.reward):
                 raise ValueError(f"turns[{i}].reward {t.reward} is not finite")
+            prev_end = t.observation_end
+
+    def _validate_mask(self) -> None:
+        """Runs after check_shapes (turn ranges are ordered and disjoint)."""
+        num_action = 0
+        num_marked = 0
+        for t in self.header.turns:
             num_action += t.action_end - t.action_start
             num_marked += int(np.count_nonzero(self.action_mask[t.action_start : t.action_end]))
-            prev_end = t.observation_end
         if num_marked != num_action:
             raise ValueError("action_mask is False on some token inside a turn's action range")
         if int(np.count_nonzero(self.action_mask)) != num_action:
             raise ValueError("action_mask is True outside the turns' action ranges (prompt or observation tokens)")
 
     def _validate_values(self) -> int | None:
-        """Runs after _validate_turns: the action tokens are exactly the turns' action ranges."""
-        h = self.header
-        if not math.isfinite(h.reward):
-            raise ValueError(f"reward {h.reward} is not finite")
+        """Runs after _validate_mask: the action tokens are exactly the turns' action ranges."""
         if int(self.tokens.min()) < 0:
             raise ValueError("tokens: negative token id")
-        if not np.isfinite(self.rollout_logprobs).all():
+        lp = self.rollout_logprobs
+        if not (math.isfinite(lp.min()) and math.isfinite(lp.max())):  # min/max propagate NaN; no temporary array
             raise ValueError("rollout_logprobs: NaN or infinite value")
         oldest: int | None = None
-        for i, t in enumerate(h.turns):
+        for i, t in enumerate(self.header.turns):
             if t.action_end > t.action_start:
                 low = int(self.weight_versions[t.action_start : t.action_end].min())
                 if low < 0:

@@ -50,6 +50,11 @@ class BusConfig(Section):
     max_header_bytes: int = Field(default=1 << 20, gt=0)
     """Largest accepted msgpack header frame (ids, turns, metadata)."""
 
+    validate_on_send: bool = False
+    """Producer: run the full Trajectory.validate() (O(T) passes over the arrays) in send(). Off by default: the
+    agent loop validates every trajectory it builds and the receiver validates every arrival (refusals come back to
+    the producer as errors); send() always checks ids, dtypes, lengths, turn ranges and size limits."""
+
     spool_dir: str | None = None
     """Producer-side directory keeping uncommitted trajectories across producer restarts (one subdir per worker)."""
 

@@ -9,7 +9,7 @@ from collections import Counter
 import msgspec
 import pytest
 
-from megatron_sao.bus import TrajectoryReceiver, TrajectorySender
+from megatron_sao.bus import Trajectory, TrajectoryReceiver, TrajectorySender
 from megatron_sao.config.bus import BusConfig
 from tests.bus.helpers import fast_cfg, free_addr, traj, wait_for
 
@@ -148,15 +148,35 @@ def test_stale_trajectories_are_dropped_recorded_and_still_committed(tmp_path) -
     assert len((tmp_path / "stale.jsonl").read_text().splitlines()) == 2
 
 
-def test_invalid_or_oversized_trajectories_fail_at_send() -> None:
+def test_malformed_or_oversized_trajectories_fail_at_send() -> None:
     cfg = fast_cfg(free_addr(), max_frame_bytes=4096, max_message_bytes=16384, max_header_bytes=4096)
     with TrajectorySender(cfg, "p") as s:
         with pytest.raises(ValueError, match="over the bus limits"):
             s.send(traj(0, 2048), timeout_s=1)
-        bad = traj(1)
+        t = traj(1)
+        short = Trajectory(t.header, t.tokens[:-1], t.rollout_logprobs, t.action_mask, t.weight_versions)
+        with pytest.raises(ValueError, match="tokens: length"):
+            s.send(short, timeout_s=1)
+    with TrajectorySender(fast_cfg(free_addr(), validate_on_send=True), "p") as s:
+        bad = traj(2)
         bad.rollout_logprobs[-1] = float("nan")
         with pytest.raises(ValueError, match="rollout_logprobs"):
             s.send(bad, timeout_s=1)
+
+
+def test_invalid_values_are_refused_by_the_receiver_and_reported_to_the_producer() -> None:
+    cfg = fast_cfg(free_addr())
+    with TrajectoryReceiver(cfg) as r, TrajectorySender(cfg, "p") as s:
+        bad = traj(0)
+        bad.rollout_logprobs[-1] = float("nan")
+        s.send(bad, timeout_s=5)  # validate_on_send is off: the learner's check is the one that counts
+        s.send(traj(1), timeout_s=5)
+        assert _drain(r, 1) == ["w-1"]
+        wait_for(lambda: s.rejected(), what="reject")
+        assert s.rejected()[0][:2] == ("w-0", "invalid")
+        assert r.metrics()["rejected_invalid"] == 1
+        r.commit()
+        assert s.flush(5)
 
 
 def test_receiver_refusal_reaches_the_producer_and_is_not_retried() -> None:
