@@ -15,6 +15,7 @@ from typing import Protocol
 
 import msgspec
 import numpy as np
+import zmq
 
 from megatron_sao.bus.protocol import Reason
 from megatron_sao.bus.schema import ARRAY_DTYPES, SCHEMA_VERSION, Trajectory, TrajectoryHeader
@@ -88,9 +89,10 @@ def check_sizes(frames: Sequence[_Buffer], limits: Limits) -> int:
 
 
 def _buffer(frame: object) -> memoryview | bytes:
-    buf = getattr(frame, "buffer", frame)  # zmq.Frame exposes .buffer; bytes/memoryview are used as they are
-    assert isinstance(buf, memoryview | bytes), type(buf)
-    return buf
+    if type(frame) is zmq.Frame:
+        return frame.buffer
+    assert isinstance(frame, memoryview | bytes), type(frame)  # tests and the spool pass these
+    return frame
 
 
 def decode(frames: Sequence[object], limits: Limits) -> tuple[Trajectory, int]:

@@ -30,6 +30,8 @@ from megatron_sao.config.bus import BusConfig
 
 log = logging.getLogger(__name__)
 
+# plain ints: operators on pyzmq's enum flags run Python code on every call
+_EVENTS, _POLLIN, _NOBLOCK, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK), int(zmq.SNDMORE)
 _DRAIN_BATCH = 256  # messages read per loop iteration before acks and credits go out
 _ACK_BATCH = 32  # receipt acks sent together (credits are never held back)
 _MONITOR_EVENTS = {
@@ -220,7 +222,8 @@ class ReceiverIO:
 
     def _send(self, rid: bytes, msg: protocol.ToSender) -> None:
         try:
-            self.router.send_multipart([rid, protocol.encode(msg)], zmq.NOBLOCK)
+            self.router.send(rid, _NOBLOCK | _SNDMORE)
+            self.router.send(protocol.encode(msg), _NOBLOCK)
         except zmq.Again:
             self.counters.add("control_dropped")  # peer not reading; all state is re-sent on its next ping
         except zmq.ZMQError as e:
@@ -242,7 +245,7 @@ class ReceiverIO:
     def _drain_router(self) -> None:
         """Read up to _DRAIN_BATCH messages (poll said at least one is there)."""
         for i in range(_DRAIN_BATCH):
-            if i and not self.router.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # cheaper than catching zmq.Again
+            if i and not self.router.getsockopt(_EVENTS) & _POLLIN:  # cheaper than catching zmq.Again
                 return
             head = self.router.recv(copy=False)
             frames, early = self._recv_parts(head.more)

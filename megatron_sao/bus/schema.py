@@ -154,9 +154,10 @@ class Trajectory:
         """Runs after check_shapes (turn ranges are ordered and disjoint)."""
         num_action = 0
         num_marked = 0
+        mask = self.action_mask
         for t in self.header.turns:
             num_action += t.action_end - t.action_start
-            num_marked += int(np.count_nonzero(self.action_mask[t.action_start : t.action_end]))
+            num_marked += int(np.count_nonzero(mask[t.action_start : t.action_end]))
         if num_marked != num_action:
             raise ValueError("action_mask is False on some token inside a turn's action range")
         if int(np.count_nonzero(self.action_mask)) != num_action:
@@ -164,15 +165,17 @@ class Trajectory:
 
     def _validate_values(self) -> int | None:
         """Runs after _validate_mask: the action tokens are exactly the turns' action ranges."""
-        if int(self.tokens.min()) < 0:
+        minimum = np.minimum.reduce  # the ufunc itself: ndarray.min() adds a Python-level wrapper per call
+        if int(minimum(self.tokens)) < 0:
             raise ValueError("tokens: negative token id")
         lp = self.rollout_logprobs
-        if not (math.isfinite(lp.min()) and math.isfinite(lp.max())):  # min/max propagate NaN; no temporary array
+        if not (math.isfinite(minimum(lp)) and math.isfinite(np.maximum.reduce(lp))):  # NaN propagates; no temp
             raise ValueError("rollout_logprobs: NaN or infinite value")
         oldest: int | None = None
+        versions = self.weight_versions
         for i, t in enumerate(self.header.turns):
             if t.action_end > t.action_start:
-                low = int(self.weight_versions[t.action_start : t.action_end].min())
+                low = int(minimum(versions[t.action_start : t.action_end]))
                 if low < 0:
                     raise ValueError(f"weight_versions: negative version on an action token of turns[{i}]")
                 oldest = low if oldest is None else min(oldest, low)

@@ -26,6 +26,7 @@ from megatron_sao.config.bus import BusConfig
 log = logging.getLogger(__name__)
 
 UNSENT, SENT, RECEIVED = 0, 1, 2
+_EVENTS, _POLLIN, _NOBLOCK, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK), int(zmq.SNDMORE)
 
 
 @dataclass(slots=True)
@@ -168,7 +169,7 @@ class SenderIO:
 
     def _send_control(self, msg: protocol.ToReceiver) -> None:
         try:
-            self.sock.send(protocol.encode(msg), zmq.NOBLOCK)
+            self.sock.send(protocol.encode(msg), _NOBLOCK)
         except zmq.Again:
             self.counters.add("control_dropped")  # not connected yet (IMMEDIATE) or HWM: retried on the next tick
 
@@ -177,7 +178,7 @@ class SenderIO:
     def _drain(self) -> None:
         """Handle every message from the receiver that is there (poll said at least one)."""
         first = True
-        while first or self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while first or self.sock.getsockopt(_EVENTS) & _POLLIN:
             first = False
             parts = self.sock.recv_multipart()
             try:
@@ -300,11 +301,15 @@ class SenderIO:
                     continue
             env = protocol.encode(protocol.Data(e.seq, base, demand))
             try:
-                self.sock.send_multipart([env, *frames], zmq.NOBLOCK, copy=False)
+                self.sock.send(env, _NOBLOCK | _SNDMORE)  # once the first part is taken, the rest is too
             except zmq.Again:
                 with self.outbox.cv:
                     self.outbox.unsent.appendleft(e.seq)
                 return
+            send = self.sock.send
+            for f in frames[:-1]:
+                send(f, _SNDMORE, copy=False)
+            send(frames[-1], 0, copy=False)
             now = time.monotonic()
             self.counters.add("resent" if e.sent_at else "sent")
             e.state, e.sent_at = SENT, now
