@@ -102,6 +102,7 @@ class SenderIO:
         self.reported_demand = 0
         self.last_heard = time.monotonic()
         self.last_hello = -float("inf")
+        self.hello_sent = False
         self.last_ping = -float("inf")
         self.inflight: deque[tuple[float, int]] = deque()  # (sent_at, seq) of data not yet receipt-acked
 
@@ -129,7 +130,9 @@ class SenderIO:
 
     def _housekeeping(self, now: float) -> None:
         if not self.welcomed:
-            if now - self.last_hello >= self.cfg.heartbeat_s:
+            # a Hello that went out gets time for its Welcome (a retry would obsolete it); a dropped one is retried
+            wait = self.cfg.peer_timeout_s / 2 if self.hello_sent else self.cfg.heartbeat_s
+            if now - self.last_hello >= wait:
                 self._hello(now)
             return
         if now - self.last_heard > self.cfg.peer_timeout_s:
@@ -165,13 +168,15 @@ class SenderIO:
         with self.outbox.cv:
             base = self.outbox.base()
         hello = protocol.Hello(protocol.PROTOCOL_VERSION, self.session, self.worker_id, self.epoch, base, 0)
-        self._send_control(hello)  # demand follows in a Ping right after the Welcome
+        self.hello_sent = self._send_control(hello)  # demand follows in a Ping right after the Welcome
 
-    def _send_control(self, msg: protocol.ToReceiver) -> None:
+    def _send_control(self, msg: protocol.ToReceiver) -> bool:
         try:
             self.sock.send(protocol.encode(msg), _NOBLOCK)
         except zmq.Again:
             self.counters.add("control_dropped")  # not connected yet (IMMEDIATE) or HWM: retried on the next tick
+            return False
+        return True
 
     # ---- incoming ----------------------------------------------------------------------------------------------
 

@@ -101,7 +101,7 @@ def test_receiver_sigkill_and_restart_from_checkpoint_exactly_once(cluster: Clus
 
 def test_producer_sigkill_and_restart_with_its_spool_exactly_once(cluster: Cluster) -> None:
     workers = {"p0": 40, "p1": 30}
-    r = cluster.receiver(every=10)
+    r = cluster.receiver(every=20)
     p0 = cluster.producer("p0", workers["p0"], sleep_s=0.02)
     p1 = cluster.producer("p1", workers["p1"])
     wait_for(lambda: cluster.progress("p0") >= 15, timeout_s=60, what="p0 mid-stream")

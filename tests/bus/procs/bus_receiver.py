@@ -3,7 +3,7 @@
     python bus_receiver.py CFG_JSON CKPT_PATH STOP_PATH [CKPT_EVERY]
 
 The "training effect" is the list of ids in CKPT_PATH, written atomically together with the receiver's state_dict()
-every CKPT_EVERY trajectories (and on idle); commit() follows each write. On start it resumes from CKPT_PATH, as a
+every CKPT_EVERY trajectories (and after 1 s without any); commit() follows each write. On start it resumes from CKPT_PATH, as a
 learner restarted from its last checkpoint would. Exits once STOP_PATH exists and nothing arrives.
 """
 
@@ -32,16 +32,18 @@ def main() -> int:
     ids: list[str] = saved["ids"]
     with TrajectoryReceiver(cfg, state=saved["bus"]) as r:
         print("ready", flush=True)
-        since = 0
+        since, idle = 0, 0
         while True:
             batch = r.recv_batch(every - since, timeout_s=0.2)
             ids += [t.trajectory_id for t in batch]
             since += len(batch)
-            if since >= every or not batch:  # a checkpoint, then the commit that lets producers forget
+            idle = 0 if batch else idle + 1
+            if since >= every or idle >= 5:  # a checkpoint (every `every`, or after 1 s idle), then the commit
                 save(ckpt, ids, r.state_dict())
                 r.commit()
-                since = 0
+                since, idle = 0, 0
             if not batch and stop.exists():
+                save(ckpt, ids, r.state_dict())
                 return 0
 
 
