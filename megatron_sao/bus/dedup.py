@@ -92,8 +92,8 @@ class DedupState:
                 self._recent_set.discard(self._recent.popleft())
         return "new"
 
-    def prune(self, latest_base: dict[str, int]) -> int:
-        """Forget least recently used streams over max_streams that are provably settled; returns how many.
+    def prune(self, latest_base: dict[str, int]) -> list[str]:
+        """Forget least recently used streams over max_streams that are provably settled; returns their keys.
 
         A stream may be forgotten once it has no consumed seq above its watermark and the producer has said
         (latest_base, from its pings) that it holds nothing below it: re-created later from the producer's
@@ -102,7 +102,7 @@ class DedupState:
         """
         excess = len(self.streams) - self.max_streams
         if excess <= 0:
-            return 0
+            return []
         victims = [
             key
             for key, st in self.streams.items()
@@ -110,7 +110,7 @@ class DedupState:
         ][:excess]
         for key in victims:
             del self.streams[key]
-        return len(victims)
+        return victims
 
     def committed_view(self) -> dict[str, tuple[int, tuple[int, ...]]]:
         """Immutable copy for the I/O thread: stream -> (low, sorted above)."""

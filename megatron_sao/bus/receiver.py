@@ -152,7 +152,11 @@ class TrajectoryReceiver:
             self._inbox.dirty.update(k for k, v in view.items() if old.get(k) != v)
             latest_base = dict(self._inbox.latest_base)
         forgotten = self._dedup.prune(latest_base)
-        self._counters.add("streams_forgotten", forgotten)
+        if forgotten:
+            with self._inbox.cv:
+                for key in forgotten:
+                    self._inbox.latest_base.pop(key, None)
+        self._counters.add("streams_forgotten", len(forgotten))
         self._counters.add("commits")
         self._io.wake()
 

@@ -74,7 +74,7 @@ def test_only_settled_streams_are_forgotten() -> None:
         d.check_and_add(key, 0, 0, key)
     d.check_and_add("c#1", 2, 0, "c2")  # c has a gap: not settled
     # a: producer's base 1 == low (settled, nothing it still holds); b: producer never said -> kept
-    assert d.prune({"a#1": 1, "c#1": 1}) == 1
+    assert d.prune({"a#1": 1, "c#1": 1}) == ["a#1"]
     assert list(d.streams) == ["b#1", "c#1"]
     # a forgotten stream re-created from the producer's base describes the same consumed set
     assert d.check_and_add("a#1", 0, 1, "a-again") == "duplicate_seq"

@@ -3,8 +3,8 @@
     python bus_receiver.py CFG_JSON CKPT_PATH STOP_PATH [CKPT_EVERY]
 
 The "training effect" is the list of ids in CKPT_PATH, written atomically together with the receiver's state_dict()
-every CKPT_EVERY trajectories (and after 1 s without any); commit() follows each write. On start it resumes from CKPT_PATH, as a
-learner restarted from its last checkpoint would. Exits once STOP_PATH exists and nothing arrives.
+every CKPT_EVERY trajectories (and after 1 s without any); commit() follows each write. On start it resumes from
+CKPT_PATH, as a learner restarted from its last checkpoint would. Exits once STOP_PATH exists and nothing arrives.
 """
 
 from __future__ import annotations
