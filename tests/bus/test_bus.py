@@ -230,3 +230,19 @@ def test_uncommitted_window_blocks_until_the_learner_commits() -> None:
         r.commit()
         s.send(traj(4), timeout_s=5)
         assert _drain(r, 1) == ["w-4"]
+
+
+def test_settled_streams_are_forgotten_so_the_state_stays_bounded() -> None:
+    cfg = fast_cfg(free_addr(), max_streams=1)
+    with TrajectoryReceiver(cfg) as r:
+        for w in ("a", "b", "c"):  # three producer incarnations without a spool: three streams
+            with TrajectorySender(cfg, w) as s:
+                s.send(traj(0, worker=w), timeout_s=5)
+                assert _drain(r, 1) == [f"{w}-0"]
+                r.commit()
+                assert s.flush(5)
+            wait_for(lambda: r.metrics()["sessions"] == 0, what="bye")  # its Bye says it holds nothing
+        r.commit()
+        m = r.metrics()
+        assert m["streams"] == 1 and m["streams_forgotten"] == 2
+        assert [k.split("#")[0] for k in r.state_dict()["streams"]] == ["c"]
