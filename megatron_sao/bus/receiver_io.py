@@ -100,6 +100,12 @@ class ReceiverIO:
                 self._auth.stop()
             self.ctx.term()
             raise ValueError(f"bus receiver cannot bind {cfg.bind} ({e}); choose a free address in bus.bind") from e
+        if cfg.binds_every_interface and cfg.curve_server_key is None:
+            log.warning(
+                "bus: receiver listens on every interface (%s) without CURVE: anyone who reaches the port can send; "
+                "bind one address or set bus.curve_server_key / bus.curve_client_keys_dir (tools/bus_keygen.py)",
+                cfg.bind,
+            )
         self.monitor = self.router.get_monitor_socket(sum(_MONITOR_EVENTS))
         wake_addr = f"inproc://sao-bus-wake-{self.incarnation}"
         self._wake_rx = self.ctx.socket(zmq.PAIR)

@@ -16,13 +16,11 @@ _WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]", "::")
 
 class BusConfig(Section):
     bind: str = "tcp://127.0.0.1:5555"
-    """Address the learner's receiver binds (explicit interface; never 0.0.0.0 by default)."""
+    """Address the learner's receiver binds (explicit interface; never 0.0.0.0 by default). Binding every interface
+    (tcp://0.0.0.0:PORT, tcp://*:PORT) is allowed but logs a warning unless CURVE is on."""
 
     connect: str | None = None
     """Address producers connect to; None uses `bind`."""
-
-    allow_wildcard_bind: bool = False
-    """Allow `bind` on every interface (tcp://*:port, tcp://0.0.0.0:port); only with CURVE or a trusted network."""
 
     max_inflight: int = Field(default=64, ge=1)
     """Credits: trajectories one producer may have sent but the learner not yet taken (back-pressure)."""
@@ -108,6 +106,11 @@ class BusConfig(Section):
         return self.connect or self.bind
 
     @property
+    def binds_every_interface(self) -> bool:
+        host = self.bind.removeprefix("tcp://").rsplit(":", 1)[0] if self.bind.startswith("tcp://") else ""
+        return host in _WILDCARD_HOSTS
+
+    @property
     def curve_enabled(self) -> bool:
         return self.curve_server_key is not None or self.curve_server_public_key is not None
 
@@ -117,12 +120,6 @@ class BusConfig(Section):
             addr = getattr(self, name)
             if addr is not None and not addr.startswith(("tcp://", "ipc://", "inproc://")):
                 raise ValueError(f"bus.{name}={addr!r}: use tcp://HOST:PORT, ipc://PATH or inproc://NAME")
-        host = self.bind.removeprefix("tcp://").rsplit(":", 1)[0] if self.bind.startswith("tcp://") else ""
-        if host in _WILDCARD_HOSTS and not self.allow_wildcard_bind:
-            raise ValueError(
-                f"bus.bind={self.bind!r} listens on every interface; bind one explicit address "
-                "(e.g. tcp://10.0.0.5:5555) or set bus.allow_wildcard_bind=true (enable CURVE too)"
-            )
         if self.max_frame_bytes > self.max_message_bytes:
             raise ValueError("bus.max_frame_bytes exceeds bus.max_message_bytes; lower it to at most max_message_bytes")
         if self.max_header_bytes > self.max_frame_bytes:

@@ -193,12 +193,19 @@ def test_receiver_refusal_reaches_the_producer_and_is_not_retried() -> None:
         assert r.metrics()["rejected_frame_too_large"] == 1
 
 
-def test_wildcard_bind_needs_an_explicit_opt_in() -> None:
-    with pytest.raises(ValueError, match="every interface"):
-        BusConfig(bind="tcp://0.0.0.0:5555")
-    BusConfig(bind="tcp://*:5555", allow_wildcard_bind=True)
+def test_config_checks_addresses_limits_and_key_pairs() -> None:
+    assert BusConfig(bind="tcp://0.0.0.0:5555").binds_every_interface  # allowed, warned about without CURVE
+    assert not BusConfig().binds_every_interface  # the default is loopback
+    with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+        BusConfig(bind="127.0.0.1:5555")
     with pytest.raises(ValueError, match="go together"):
         BusConfig(curve_server_key="k")
+    with pytest.raises(ValueError, match="go together"):
+        BusConfig(curve_client_key="k")
+    with pytest.raises(ValueError, match="max_frame_bytes"):
+        BusConfig(max_frame_bytes=2 << 30)
+    with pytest.raises(ValueError, match="peer_timeout_s"):
+        BusConfig(heartbeat_s=5.0, peer_timeout_s=6.0)
 
 
 def test_binding_a_taken_address_is_a_clear_error() -> None:
