@@ -8,6 +8,7 @@ turns and observations). Bump SCHEMA_VERSION on any incompatible change.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -15,6 +16,9 @@ import msgspec
 import numpy as np
 
 SCHEMA_VERSION = 1
+
+MAX_ID_CHARS = 512
+"""Longest accepted trajectory / prompt / worker / engine id."""
 
 FinishReason = Literal["stop", "length", "abort", "turn_limit", "token_limit", "error"]
 """Why the episode ended: stop (model or environment finished), length (the last turn hit max_new_tokens),
@@ -90,14 +94,43 @@ class Trajectory:
 
     def oldest_version(self) -> int | None:
         """Smallest weight version among generated tokens (None when nothing was generated)."""
-        v = self.weight_versions[self.action_mask]
-        return int(v.min()) if v.size else None
+        if not self.action_mask.any():
+            return None
+        return int(np.min(self.weight_versions, where=self.action_mask, initial=np.iinfo(np.int32).max))
 
     def validate(self) -> None:
-        """Raise ValueError naming the field when the arrays and header disagree."""
+        """Raise ValueError naming the field when the arrays and header disagree or hold impossible values.
+
+        See validated_oldest_version() for what is checked.
+        """
+        self.validated_oldest_version()
+
+    def validated_oldest_version(self) -> int | None:
+        """validate(), returning oldest_version() from the same pass over the arrays (the receiver's hot path).
+
+        Checked: everything check_shapes() checks; action_mask True exactly on the turns' action ranges (hence
+        never in the prompt); token ids >= 0; finite log-probs and rewards; weight versions >= 0 on action tokens.
+        Cost O(T) with a few numpy passes (the receiver runs it on every message).
+        """
+        self.check_shapes()
+        self._validate_mask()
+        return self._validate_values()
+
+    def check_shapes(self) -> None:
+        """The cheap part of validate() (no pass over the arrays): schema version; trajectory_id non-empty, ids at
+        most MAX_ID_CHARS; dtype, rank and length of each array; prompt_len and the turn ranges ordered inside
+        [0, T); finite rewards. Raises ValueError."""
         h = self.header
         if h.schema_version != SCHEMA_VERSION:
             raise ValueError(f"schema_version {h.schema_version} != {SCHEMA_VERSION}")
+        if not h.trajectory_id:
+            raise ValueError("trajectory_id is empty; it is the identity the bus de-duplicates on")
+        for name in ("trajectory_id", "prompt_id", "worker_id", "engine_id"):
+            value = getattr(h, name)
+            if len(value) > MAX_ID_CHARS:
+                raise ValueError(f"{name} {value[:40]!r}... is longer than {MAX_ID_CHARS} characters")
+        if h.num_tokens < 1 or h.sample_index < 0:
+            raise ValueError(f"num_tokens {h.num_tokens} must be >= 1 and sample_index {h.sample_index} >= 0")
         for name, dtype in ARRAY_DTYPES.items():
             arr = getattr(self, name)
             if not isinstance(arr, np.ndarray) or arr.dtype != dtype or arr.ndim != 1:
@@ -107,10 +140,43 @@ class Trajectory:
                 raise ValueError(f"{name}: length {arr.shape[0]} != header.num_tokens {h.num_tokens}")
         if not 0 <= h.prompt_len <= h.num_tokens:
             raise ValueError(f"prompt_len {h.prompt_len} outside [0, num_tokens={h.num_tokens}]")
-        if self.action_mask[: h.prompt_len].any():
-            raise ValueError("action_mask is True inside the prompt")
+        if not math.isfinite(h.reward):
+            raise ValueError(f"reward {h.reward} is not finite")
         prev_end = h.prompt_len
         for i, t in enumerate(h.turns):
             if not prev_end <= t.action_start <= t.action_end <= t.observation_end <= h.num_tokens:
                 raise ValueError(f"turns[{i}] ranges {t} are not ordered inside [{prev_end}, {h.num_tokens}]")
+            if t.reward is not None and not math.isfinite(t.reward):
+                raise ValueError(f"turns[{i}].reward {t.reward} is not finite")
             prev_end = t.observation_end
+
+    def _validate_mask(self) -> None:
+        """Runs after check_shapes (turn ranges are ordered and disjoint)."""
+        num_action = 0
+        num_marked = 0
+        mask = self.action_mask
+        for t in self.header.turns:
+            num_action += t.action_end - t.action_start
+            num_marked += int(np.count_nonzero(mask[t.action_start : t.action_end]))
+        if num_marked != num_action:
+            raise ValueError("action_mask is False on some token inside a turn's action range")
+        if int(np.count_nonzero(self.action_mask)) != num_action:
+            raise ValueError("action_mask is True outside the turns' action ranges (prompt or observation tokens)")
+
+    def _validate_values(self) -> int | None:
+        """Runs after _validate_mask: the action tokens are exactly the turns' action ranges."""
+        minimum = np.minimum.reduce  # the ufunc itself: ndarray.min() adds a Python-level wrapper per call
+        if int(minimum(self.tokens)) < 0:
+            raise ValueError("tokens: negative token id")
+        lp = self.rollout_logprobs
+        if not (math.isfinite(minimum(lp)) and math.isfinite(np.maximum.reduce(lp))):  # NaN propagates; no temp
+            raise ValueError("rollout_logprobs: NaN or infinite value")
+        oldest: int | None = None
+        versions = self.weight_versions
+        for i, t in enumerate(self.header.turns):
+            if t.action_end > t.action_start:
+                low = int(minimum(versions[t.action_start : t.action_end]))
+                if low < 0:
+                    raise ValueError(f"weight_versions: negative version on an action token of turns[{i}]")
+                oldest = low if oldest is None else min(oldest, low)
+        return oldest

@@ -1,35 +1,80 @@
-"""`bus` section: the ZeroMQ trajectory bus between rollout workers and the learner."""
+"""`bus` section: the ZeroMQ trajectory bus between rollout workers and the learner.
+
+Read by megatron_sao.bus (sender, receiver, auth); the protocol these knobs steer is described in docs/bus.md.
+"""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from megatron_sao.config.base import Section
+
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]", "::")
 
 
 class BusConfig(Section):
     bind: str = "tcp://127.0.0.1:5555"
-    """Address the learner's receiver binds (explicit interface; never 0.0.0.0 by default)."""
+    """Address the learner's receiver binds (explicit interface; never 0.0.0.0 by default). Binding every interface
+    (tcp://0.0.0.0:PORT, tcp://*:PORT) is allowed but logs a warning unless CURVE is on."""
 
     connect: str | None = None
     """Address producers connect to; None uses `bind`."""
 
     max_inflight: int = Field(default=64, ge=1)
-    """Credits: unacknowledged trajectories a producer may have outstanding (back-pressure)."""
+    """Credits: trajectories one producer may have sent but the learner not yet taken (back-pressure)."""
 
-    max_message_bytes: int = Field(default=1 << 30, gt=0)
-    """Largest accepted trajectory message, all frames together."""
+    recv_queue_size: int = Field(default=256, ge=1)
+    """Receiver-wide credits: trajectories queued in the learner process plus credits granted and not yet used."""
 
-    max_frame_bytes: int = Field(default=512 << 20, gt=0)
-    """Largest accepted single frame."""
+    recv_queue_bytes: int = Field(default=4 << 30, gt=0)
+    """No new credits are granted while the learner's queue holds more than this many payload bytes."""
+
+    max_uncommitted: int = Field(default=65536, ge=1)
+    """Per producer: trajectories sent but not yet covered by a learner checkpoint (commit); send() blocks at it.
+    Also bounds the receiver's de-duplication window per producer."""
+
+    max_uncommitted_bytes: int = Field(default=2 << 30, gt=0)
+    """Per producer without a spool: payload bytes kept in memory until committed; send() blocks at it.
+    With spool_dir set, committed-pending payloads live on disk and only in-flight ones stay in memory."""
+
+    max_message_bytes: int = Field(default=256 << 20, gt=0)
+    """Largest accepted trajectory message, all frames together (128k tokens take ~1.7 MB)."""
+
+    max_frame_bytes: int = Field(default=128 << 20, gt=0)
+    """Largest accepted single frame; frames over max_message_bytes are refused by libzmq before allocation."""
+
+    max_header_bytes: int = Field(default=1 << 20, gt=0)
+    """Largest accepted msgpack header frame (ids, turns, metadata)."""
+
+    validate_on_send: bool = False
+    """Producer: run the full Trajectory.validate() (O(T) passes over the arrays) in send(). Off by default: the
+    agent loop validates every trajectory it builds and the receiver validates every arrival (refusals come back to
+    the producer as errors); send() always checks ids, dtypes, lengths, turn ranges and size limits."""
 
     spool_dir: str | None = None
-    """Producer-side directory keeping unacknowledged trajectories across producer restarts."""
+    """Producer-side directory keeping uncommitted trajectories across producer restarts (one subdir per worker)."""
+
+    spool_fsync: bool = False
+    """fsync each spool file: survives machine crashes, not only process crashes (slower)."""
 
     resend_after_s: float = Field(default=10.0, gt=0.0)
-    """Resend a trajectory that has not been acknowledged within this time."""
+    """Restart the session (and resend) when a sent trajectory has no receipt acknowledgement within this time."""
+
+    heartbeat_s: float = Field(default=1.0, gt=0.0)
+    """Producers ping the receiver this often; the receiver answers with credits and commits."""
+
+    peer_timeout_s: float = Field(default=10.0, gt=0.0)
+    """Silence after which either side declares the other gone (producer: reconnect and resend; receiver: reclaim
+    the producer's credits). Must exceed heartbeat_s."""
+
+    dedup_recent_ids: int = Field(default=65536, ge=0)
+    """Receiver: remember this many recently consumed trajectory ids (saved with checkpoints) to drop an id that
+    comes back under a new sequence number; 0 disables (per-producer sequence numbers still de-duplicate)."""
+
+    max_streams: int = Field(default=65536, ge=1)
+    """Receiver: producer streams kept in the de-dup state; fully committed idle streams are forgotten first."""
 
     max_staleness: int | None = Field(default=None, ge=0)
     """Largest allowed gap, in weight versions, between the learner and a trajectory's oldest token."""
@@ -37,8 +82,61 @@ class BusConfig(Section):
     stale_policy: Literal["drop", "keep"] = "drop"
     """What to do with trajectories over max_staleness (both are counted and recorded by id)."""
 
+    stale_log_dir: str | None = None
+    """Directory of `stale.jsonl`: one line per trajectory over max_staleness (dropped or kept)."""
+
+    stale_recent_ids: int = Field(default=1024, ge=0)
+    """How many recent over-stale trajectory ids the receiver keeps in memory (receiver.stale_ids())."""
+
     curve_server_key: str | None = None
     """CurveZMQ: the server's secret key file; set with curve_client_keys_dir to require authentication."""
 
     curve_client_keys_dir: str | None = None
     """CurveZMQ: directory of authorized client public keys."""
+
+    curve_server_public_key: str | None = None
+    """CurveZMQ, producer side: the server's public key file (tools/bus_keygen.py writes it)."""
+
+    curve_client_key: str | None = None
+    """CurveZMQ, producer side: this producer's secret key file."""
+
+    @property
+    def connect_address(self) -> str:
+        """Where producers connect."""
+        return self.connect or self.bind
+
+    @property
+    def binds_every_interface(self) -> bool:
+        host = self.bind.removeprefix("tcp://").rsplit(":", 1)[0] if self.bind.startswith("tcp://") else ""
+        return host in _WILDCARD_HOSTS
+
+    @property
+    def curve_enabled(self) -> bool:
+        return self.curve_server_key is not None or self.curve_server_public_key is not None
+
+    @model_validator(mode="after")
+    def _check(self) -> BusConfig:
+        for name in ("bind", "connect"):
+            addr = getattr(self, name)
+            if addr is not None and not addr.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"bus.{name}={addr!r}: use tcp://HOST:PORT, ipc://PATH or inproc://NAME")
+        if self.max_frame_bytes > self.max_message_bytes:
+            raise ValueError("bus.max_frame_bytes exceeds bus.max_message_bytes; lower it to at most max_message_bytes")
+        if self.max_header_bytes > self.max_frame_bytes:
+            raise ValueError("bus.max_header_bytes exceeds bus.max_frame_bytes; lower it")
+        if self.peer_timeout_s <= 2 * self.heartbeat_s:
+            raise ValueError(
+                f"bus.peer_timeout_s={self.peer_timeout_s} must exceed 2 * heartbeat_s={self.heartbeat_s}; "
+                "raise peer_timeout_s or lower heartbeat_s"
+            )
+        if (self.curve_server_key is None) != (self.curve_client_keys_dir is None):
+            raise ValueError(
+                "bus.curve_server_key and bus.curve_client_keys_dir go together (receiver side of CURVE: its secret "
+                "key and the directory of authorized client public keys); set both or neither"
+            )
+        if (self.curve_server_public_key is None) != (self.curve_client_key is None):
+            raise ValueError(
+                "bus.curve_server_public_key and bus.curve_client_key go together (producer side of CURVE); "
+                "set both or neither"
+            )
+        return self

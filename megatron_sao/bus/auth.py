@@ -1,0 +1,84 @@
+"""CurveZMQ authentication of the bus: key files, the ZAP authenticator thread, socket setup on both sides.
+
+Owned here: how BusConfig's curve_* key files turn into socket options, and the receiver's ZAP handler
+(zmq.auth.thread.ThreadAuthenticator) that admits only clients whose public key is in curve_client_keys_dir.
+Called by receiver_io.py (server side), sender.py (client side) and tools/bus_keygen.py (key generation).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from megatron_sao.config.bus import BusConfig
+
+_KEYGEN_HINT = "generate keys with `python tools/bus_keygen.py DIR --server NAME --client NAME ...`"
+
+
+def generate_keypair(directory: str | Path, name: str) -> tuple[Path, Path]:
+    """Write DIR/NAME.key (public) and DIR/NAME.key_secret (secret, mode 0600); returns both paths."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(directory, name)
+    Path(secret).chmod(0o600)
+    return Path(public), Path(secret)
+
+
+def _load(path: str, what: str, need_secret: bool) -> tuple[bytes, bytes | None]:
+    if not Path(path).is_file():
+        raise ValueError(f"{what} key file {path} does not exist; {_KEYGEN_HINT}")
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except ValueError as e:
+        raise ValueError(f"{what} key file {path} is not a ZeroMQ certificate ({e}); {_KEYGEN_HINT}") from e
+    if need_secret and secret is None:
+        raise ValueError(f"{what} key file {path} holds no secret key; point it at the .key_secret file")
+    return public, secret
+
+
+def start_server_auth(ctx: zmq.Context, cfg: BusConfig) -> ThreadAuthenticator | None:
+    """Start the ZAP handler for `ctx` when CURVE is configured on the receiver side (else None)."""
+    if cfg.curve_server_key is None:
+        return None
+    keys_dir = Path(cfg.curve_client_keys_dir or "")
+    if not keys_dir.is_dir() or not any(keys_dir.glob("*.key")):
+        raise ValueError(f"bus.curve_client_keys_dir {keys_dir} holds no client public keys (*.key); {_KEYGEN_HINT}")
+    _load(cfg.curve_server_key, "bus.curve_server_key", need_secret=True)
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve(domain="*", location=str(keys_dir))
+    return auth
+
+
+def configure_server(sock: zmq.Socket, cfg: BusConfig) -> None:
+    """Make `sock` a CURVE server when configured; with it, unauthenticated peers never complete a handshake."""
+    if cfg.curve_server_key is None:
+        return
+    public, secret = _load(cfg.curve_server_key, "bus.curve_server_key", need_secret=True)
+    sock.curve_publickey = public
+    sock.curve_secretkey = secret
+    sock.curve_server = True
+
+
+ClientKeys = tuple[bytes, bytes, bytes]
+"""(server public key, client public key, client secret key)."""
+
+
+def load_client_keys(cfg: BusConfig) -> ClientKeys | None:
+    """A producer's CURVE keys from its key files (None when CURVE is off); raises ValueError with the fix."""
+    if cfg.curve_server_public_key is None or cfg.curve_client_key is None:
+        return None
+    server_public, _ = _load(cfg.curve_server_public_key, "bus.curve_server_public_key", need_secret=False)
+    public, secret = _load(cfg.curve_client_key, "bus.curve_client_key", need_secret=True)
+    assert secret is not None
+    return server_public, public, secret
+
+
+def configure_client(sock: zmq.Socket, keys: ClientKeys | None) -> None:
+    """Give a producer socket its CURVE identity and the server's public key (no-op without keys)."""
+    if keys is None:
+        return
+    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys

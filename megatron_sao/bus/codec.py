@@ -1,0 +1,130 @@
+"""Trajectory <-> frames: one msgpack header frame, then one raw little-endian frame per per-token array.
+
+Owned here: the payload layout of a data message (after the protocol envelope) and every check made on it
+before a byte of it is interpreted. Called by sender.py (encode) and receiver_io.py (decode). Zero-copy both ways:
+encode returns the arrays' own buffers (zmq sends them with copy=False); decode wraps the received zmq frames
+with np.frombuffer, so the returned arrays are views on the received message (read-only by contract).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgspec
+import numpy as np
+import zmq
+
+from megatron_sao.bus.protocol import Reason
+from megatron_sao.bus.schema import ARRAY_DTYPES, SCHEMA_VERSION, Trajectory, TrajectoryHeader
+
+if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+    raise ImportError("the bus wire format is little-endian and sends arrays as they lie in memory")
+
+NUM_PAYLOAD_FRAMES = 1 + len(ARRAY_DTYPES)
+"""Header frame + one frame per array (the envelope frame in front is not counted)."""
+
+_HEADER_ENCODER = msgspec.msgpack.Encoder()
+_HEADER_DECODER = msgspec.msgpack.Decoder(TrajectoryHeader)
+
+
+class _VersionPeek(msgspec.Struct):
+    """Reads only schema_version, ignoring every other key, so another version is told apart from garbage."""
+
+    schema_version: int
+
+
+_PEEK_DECODER = msgspec.msgpack.Decoder(_VersionPeek)
+
+
+class FrameError(ValueError):
+    """A payload the receiver refuses; `reason` names the rejected_<reason> counter."""
+
+    def __init__(self, reason: Reason, detail: str) -> None:
+        super().__init__(f"{reason.value}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Size limits checked before anything is decoded."""
+
+    max_frame_bytes: int
+    max_message_bytes: int
+    max_header_bytes: int
+
+
+class _Buffer(Protocol):
+    """zmq.Frame, bytes or memoryview: anything with len() and a buffer."""
+
+    def __len__(self) -> int: ...
+
+
+def encode(traj: Trajectory) -> list[bytes | memoryview]:
+    """Header frame plus the arrays' own memory (C-contiguous; copied only when a caller passed a strided view)."""
+    frames: list[bytes | memoryview] = [_HEADER_ENCODER.encode(traj.header)]
+    for name in ARRAY_DTYPES:
+        arr = np.ascontiguousarray(getattr(traj, name))
+        frames.append(arr.data.cast("B"))
+    return frames
+
+
+def check_sizes(frames: Sequence[_Buffer], limits: Limits) -> int:
+    """Frame count and size limits; returns the total bytes. Raises FrameError."""
+    if len(frames) != NUM_PAYLOAD_FRAMES:
+        raise FrameError(Reason.FRAME_COUNT, f"{len(frames)} payload frames, expected {NUM_PAYLOAD_FRAMES}")
+    total = 0
+    for i, f in enumerate(frames):
+        n = len(f)
+        cap = limits.max_header_bytes if i == 0 else limits.max_frame_bytes
+        if n > cap:
+            raise FrameError(Reason.FRAME_TOO_LARGE, f"frame {i} has {n} bytes > limit {cap}")
+        total += n
+    if total > limits.max_message_bytes:
+        raise FrameError(Reason.MESSAGE_TOO_LARGE, f"{total} bytes > max_message_bytes {limits.max_message_bytes}")
+    return total
+
+
+def _buffer(frame: object) -> memoryview | bytes:
+    if type(frame) is zmq.Frame:
+        return frame.buffer
+    assert isinstance(frame, memoryview | bytes), type(frame)  # tests and the spool pass these
+    return frame
+
+
+def decode(frames: Sequence[object], limits: Limits) -> tuple[Trajectory, int]:
+    """Frames (header + arrays) -> (validated Trajectory whose arrays view the frames, payload bytes).
+
+    traj.extras["oldest_version"] is set from the validation pass. Raises FrameError.
+    """
+    nbytes = check_sizes(frames, limits)  # type: ignore[arg-type]
+    head = _buffer(frames[0])
+    try:
+        header = _HEADER_DECODER.decode(head)
+    except msgspec.DecodeError as e:
+        try:  # tell another schema version apart from garbage
+            version = _PEEK_DECODER.decode(head).schema_version
+        except msgspec.DecodeError:
+            raise FrameError(Reason.MALFORMED, f"header frame: {e}") from e
+        if version == SCHEMA_VERSION:
+            raise FrameError(Reason.MALFORMED, f"header frame: {e}") from e
+        raise FrameError(Reason.SCHEMA_VERSION, f"schema_version {version}, expected {SCHEMA_VERSION}") from e
+    if header.schema_version != SCHEMA_VERSION:
+        raise FrameError(Reason.SCHEMA_VERSION, f"schema_version {header.schema_version}, expected {SCHEMA_VERSION}")
+    arrays = []
+    for frame, (name, dtype) in zip(frames[1:], ARRAY_DTYPES.items()):
+        buf = _buffer(frame)
+        if len(buf) != header.num_tokens * dtype.itemsize or header.num_tokens < 0:
+            raise FrameError(Reason.ARRAY_SIZE, f"{name}: {len(buf)} bytes, header says {header.num_tokens} tokens")
+        arr = np.frombuffer(buf, dtype=dtype)
+        arr.flags.writeable = False  # a view on the received message: copy before writing
+        arrays.append(arr)
+    traj = Trajectory(header, *arrays)
+    try:
+        traj.extras["oldest_version"] = traj.validated_oldest_version()
+    except ValueError as e:
+        raise FrameError(Reason.INVALID, str(e)) from e
+    return traj, nbytes

@@ -1,0 +1,83 @@
+"""CurveZMQ: only producers whose public key is authorized get anything through."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from megatron_sao.bus import TrajectoryReceiver, TrajectorySender
+from tests.bus.helpers import fast_cfg, free_addr, traj, wait_for
+from tests.bus.rawclient import RawClient
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built without CURVE")
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("keys")
+    cmd = [sys.executable, str(REPO / "tools" / "bus_keygen.py"), str(root), "--client", "good", "--client", "evil"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    (root / "authorized" / "evil.key").unlink()  # generated, but never authorized
+    return root
+
+
+def _cfgs(keys: Path, client: str) -> tuple:
+    addr = free_addr()
+    server = fast_cfg(
+        addr,
+        curve_server_key=str(keys / "server" / "learner.key_secret"),
+        curve_client_keys_dir=str(keys / "authorized"),
+    )
+    producer = fast_cfg(
+        addr,
+        curve_server_public_key=str(keys / "server" / "learner.key"),
+        curve_client_key=str(keys / "clients" / f"{client}.key_secret"),
+    )
+    return server, producer
+
+
+def test_authorized_producer_gets_through(keys: Path) -> None:
+    server, producer = _cfgs(keys, "good")
+    with TrajectoryReceiver(server) as r, TrajectorySender(producer, "good") as s:
+        s.send(traj(0), timeout_s=5)
+        assert r.recv(timeout_s=10).trajectory_id == "w-0"
+        r.commit()
+        assert s.flush(5)
+
+
+def test_unauthorized_key_and_plain_clients_get_nothing_through(keys: Path) -> None:
+    server, evil = _cfgs(keys, "evil")
+    plain = fast_cfg(server.bind)
+    with TrajectoryReceiver(server) as r:
+        intruders = [TrajectorySender(evil, "evil"), TrajectorySender(plain, "plain")]
+        for s in intruders:
+            s.send(traj(0, worker=s.worker_id), timeout_s=5)
+        raw = RawClient(server.bind, hello=False)
+        raw.send_raw([raw.data_envelope(), b"junk"], with_credit=False)
+        wait_for(lambda: r.metrics().get("auth_failed", 0) >= 1, what="ZAP refusal")
+        wait_for(lambda: r.metrics().get("handshake_failed", 0) >= 1, what="plain handshake refused")
+        time.sleep(0.5)
+        assert r.recv(timeout_s=0.5) is None
+        m = r.metrics()
+        assert m["received"] == 0 and m["rejected"] == 0 and m.get("hellos", 0) == 0  # nothing reached the app
+        assert all(not s.flush(0.2) for s in intruders)
+        for s in intruders:
+            s.close()
+        raw.close()
+
+
+def test_missing_key_files_are_config_errors_with_a_fix(tmp_path: Path, keys: Path) -> None:
+    server, producer = _cfgs(keys, "good")
+    bad = server.model_copy(update={"curve_client_keys_dir": str(tmp_path)})
+    with pytest.raises(ValueError, match="bus_keygen"):
+        TrajectoryReceiver(bad)
+    bad = producer.model_copy(update={"curve_client_key": str(tmp_path / "nope.key_secret")})
+    with pytest.raises(ValueError, match="does not exist"):
+        TrajectorySender(bad, "good")
