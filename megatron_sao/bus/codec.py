@@ -123,8 +123,14 @@ def decode(frames: Sequence[object], limits: Limits) -> tuple[Trajectory, int]:
         arr.flags.writeable = False  # a view on the received message: copy before writing
         arrays.append(arr)
     traj = Trajectory(header, *arrays)
+    validate_values(traj)
+    return traj, nbytes
+
+
+def validate_values(traj: Trajectory) -> None:
+    """Trajectory.validate() on a decoded trajectory (whose arrays decode() built with the right dtypes and
+    lengths); sets traj.extras["oldest_version"] from the same pass. Raises FrameError(INVALID)."""
     try:
-        traj.extras["oldest_version"] = traj.validated_oldest_version()
+        traj.extras["oldest_version"] = traj.validated_oldest_version(arrays_checked=True)
     except ValueError as e:
         raise FrameError(Reason.INVALID, str(e)) from e
-    return traj, nbytes

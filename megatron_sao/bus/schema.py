@@ -105,14 +105,18 @@ class Trajectory:
         """
         self.validated_oldest_version()
 
-    def validated_oldest_version(self) -> int | None:
+    def validated_oldest_version(self, arrays_checked: bool = False) -> int | None:
         """validate(), returning oldest_version() from the same pass over the arrays (the receiver's hot path).
 
         Checked: everything check_shapes() checks; action_mask True exactly on the turns' action ranges (hence
         never in the prompt); token ids >= 0; finite log-probs and rewards; weight versions >= 0 on action tokens.
-        Cost O(T) with a few numpy passes (the receiver runs it on every message).
+        Cost O(T) with a few numpy passes (the receiver runs it on every message). `arrays_checked`: the caller
+        built the arrays with the right dtypes and lengths (codec.decode), so only the header part of
+        check_shapes() runs.
         """
-        self.check_shapes()
+        self._check_header()
+        if not arrays_checked:
+            self._check_arrays()
         self._validate_mask()
         return self._validate_values()
 
@@ -120,6 +124,20 @@ class Trajectory:
         """The cheap part of validate() (no pass over the arrays): schema version; trajectory_id non-empty, ids at
         most MAX_ID_CHARS; dtype, rank and length of each array; prompt_len and the turn ranges ordered inside
         [0, T); finite rewards. Raises ValueError."""
+        self._check_header()
+        self._check_arrays()
+
+    def _check_arrays(self) -> None:
+        n = self.header.num_tokens
+        for name, dtype in ARRAY_DTYPES.items():
+            arr = getattr(self, name)
+            if not isinstance(arr, np.ndarray) or arr.dtype != dtype or arr.ndim != 1:
+                got = f"{type(arr).__name__} {getattr(arr, 'dtype', '')} ndim={getattr(arr, 'ndim', '')}"
+                raise ValueError(f"{name}: expected a 1-D {dtype} array, got {got}")
+            if arr.shape[0] != n:
+                raise ValueError(f"{name}: length {arr.shape[0]} != header.num_tokens {n}")
+
+    def _check_header(self) -> None:
         h = self.header
         if h.schema_version != SCHEMA_VERSION:
             raise ValueError(f"schema_version {h.schema_version} != {SCHEMA_VERSION}")
@@ -131,13 +149,6 @@ class Trajectory:
                 raise ValueError(f"{name} {value[:40]!r}... is longer than {MAX_ID_CHARS} characters")
         if h.num_tokens < 1 or h.sample_index < 0:
             raise ValueError(f"num_tokens {h.num_tokens} must be >= 1 and sample_index {h.sample_index} >= 0")
-        for name, dtype in ARRAY_DTYPES.items():
-            arr = getattr(self, name)
-            if not isinstance(arr, np.ndarray) or arr.dtype != dtype or arr.ndim != 1:
-                got = f"{type(arr).__name__} {getattr(arr, 'dtype', '')} ndim={getattr(arr, 'ndim', '')}"
-                raise ValueError(f"{name}: expected a 1-D {dtype} array, got {got}")
-            if arr.shape[0] != h.num_tokens:
-                raise ValueError(f"{name}: length {arr.shape[0]} != header.num_tokens {h.num_tokens}")
         if not 0 <= h.prompt_len <= h.num_tokens:
             raise ValueError(f"prompt_len {h.prompt_len} outside [0, num_tokens={h.num_tokens}]")
         if not math.isfinite(h.reward):
@@ -169,8 +180,9 @@ class Trajectory:
         if int(minimum(self.tokens)) < 0:
             raise ValueError("tokens: negative token id")
         lp = self.rollout_logprobs
-        if not (math.isfinite(minimum(lp)) and math.isfinite(np.maximum.reduce(lp))):  # NaN propagates; no temp
-            raise ValueError("rollout_logprobs: NaN or infinite value")
+        # One BLAS pass: NaN and +-inf propagate into the dot product (so would |logprob| > 1.8e19, as absurd)
+        if not math.isfinite(float(lp.dot(lp))):
+            raise ValueError("rollout_logprobs: NaN, infinite or absurdly large (|x| > 1e19) value")
         oldest: int | None = None
         versions = self.weight_versions
         for i, t in enumerate(self.header.turns):
