@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-mb", type=float, default=512.0, help="payload per run and size")
     p.add_argument("--max-count", type=int, default=20000)
     p.add_argument("--timeout-s", type=float, default=60.0)
-    p.add_argument("--repeats", type=int, default=3, help="best of N interleaved runs per mode")
+    p.add_argument("--repeats", type=int, default=5, help="best of N interleaved runs per mode")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="bus config option, both ends")
     p.add_argument("--producer", choices=["bus", "raw"], help=argparse.SUPPRESS)
     p.add_argument("--addr", help=argparse.SUPPRESS)
@@ -199,10 +199,13 @@ def main(argv: list[str] | None = None) -> int:
         bus, raw = (min(runs[k], key=lambda r: r[0]) for k in ("bus", "raw"))
         bus_gbs, raw_gbs = bus[1] / bus[0] / 1e9, raw[1] / raw[0] / 1e9
         bus_cpu, raw_cpu = (min(r[2] for r in runs[k]) / count * 1e6 for k in ("bus", "raw"))
+        # each bus run against the raw run next to it: the spread says how much of the ratio is machine noise
+        paired = sorted(raw_run[0] / bus_run[0] for bus_run, raw_run in zip(runs["bus"], runs["raw"]))
         print(
             f"{n} tokens: bus {bus_gbs:.2f} GB/s, raw {raw_gbs:.2f} GB/s, ratio {bus_gbs / raw_gbs:.2f} "
             f"(bus {count / bus[0]:.0f} traj/s, raw {count / raw[0]:.0f} traj/s; CPU per trajectory, both "
-            f"processes: bus {bus_cpu:.0f} us, raw {raw_cpu:.0f} us; {count} trajectories, best of {args.repeats})",
+            f"processes: bus {bus_cpu:.0f} us, raw {raw_cpu:.0f} us; {count} trajectories, best of {args.repeats}; "
+            f"paired ratios min/median/max {paired[0]:.2f}/{paired[len(paired) // 2]:.2f}/{paired[-1]:.2f})",
             flush=True,
         )
     return 0
