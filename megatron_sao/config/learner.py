@@ -77,7 +77,11 @@ class LearnerConfig(Section):
     """Load-balancing auxiliary loss weight added to the policy loss (logged either way)."""
 
     value_on_separate_ranks: bool = False
-    """Place the value model on its own ranks instead of sharing the policy's (default: shared)."""
+    """Place the value model on its own ranks (a second job with the same parallel layout) instead of sharing the
+    policy's (default: shared). Its K critic updates then run while the policy updates."""
+
+    advantage_address: str = "tcp://127.0.0.1:5557"
+    """With value_on_separate_ranks: where the policy job's rank 0 receives the value job's advantages."""
 
     save_dir: str | None = None
     """Directory for distributed checkpoints; None disables saving."""

@@ -15,6 +15,7 @@ import queue
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -26,10 +27,22 @@ class RankFailure(RuntimeError):
     """A spawned rank raised, crashed or timed out; the message holds its traceback and output."""
 
 
+_start_lock = threading.Lock()  # ranks inherit os.environ at start: concurrent spawn_ranks calls take turns
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
 def find_free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port free right now and not handed out before by this process (concurrent callers, e.g. two jobs
+    spawned side by side, would otherwise race for the same one)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        with _handed_out_lock:
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
 
 
 @contextlib.contextmanager
@@ -116,25 +129,26 @@ def spawn_ranks(
         **(env or {}),
     }
     try:
-        for rank in range(world_size):
-            with _environ({**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}):
-                p = ctx.Process(
-                    target=_rank_main,
-                    args=(
-                        fn,
-                        rank,
-                        args,
-                        kwargs,
-                        str(logdir / f"rank{rank}.log"),
-                        results,
-                        release,
-                        threads_per_rank,
-                        max(1.0, timeout_s - 5.0),
-                    ),
-                    name=f"rank{rank}",
-                )
-                p.start()
-            procs.append(p)
+        with _start_lock:
+            for rank in range(world_size):
+                with _environ({**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}):
+                    p = ctx.Process(
+                        target=_rank_main,
+                        args=(
+                            fn,
+                            rank,
+                            args,
+                            kwargs,
+                            str(logdir / f"rank{rank}.log"),
+                            results,
+                            release,
+                            threads_per_rank,
+                            max(1.0, timeout_s - 5.0),
+                        ),
+                        name=f"rank{rank}",
+                    )
+                    p.start()
+                procs.append(p)
         return _collect(procs, results, release, logdir, timeout_s)
     finally:
         release.set()

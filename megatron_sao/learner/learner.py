@@ -12,7 +12,8 @@ Built by the training entry point; checkpointed by learner/checkpoint.py.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,27 +41,42 @@ from megatron_sao.models.weights import HFCheckpoint, load_hf_weights
 logger = logging.getLogger(__name__)
 
 
-class Learner:
-    """Owns both roles, the policy weight version and the critic-free baselines' state."""
+@dataclass
+class StepPlan:
+    """One step's share of work on this rank."""
 
-    def __init__(self, cfg: SAOConfig, spec: ModelSpec | None = None) -> None:
-        if cfg.learner.value_on_separate_ranks:
-            raise ValueError(
-                "learner.value_on_separate_ranks=true is not supported yet: policy and value share ranks; set it "
-                "to false"
-            )
+    num_trajectories: int
+    mine: list[int]  # indices of this data-parallel rank's trajectories
+    batch: StepBatch
+    mbs: list[MicroBatch]
+    metrics: dict[str, float]
+    sequence_advantages: torch.Tensor | None  # critic-free arms: [num_trajectories]
+    holds_outputs: bool  # last pipeline stage, TP rank 0: the loss functions' values live here
+
+
+class Learner:
+    """Owns the roles on this rank, the policy weight version and the critic-free baselines' state."""
+
+    def __init__(self, cfg: SAOConfig, spec: ModelSpec | None = None, roles: Collection[str] | None = None) -> None:
+        """`roles`: the models built on these ranks. Default both (the critic only for algo.name=sao); with
+        learner.value_on_separate_ranks the launcher starts a policy job and a value job and passes {"policy"} or
+        {"value"} to each."""
+        roles = self._roles(cfg, roles)
         self.use_thd = transformer_engine_available()
         if cfg.parallel.context > 1 and not self.use_thd:
             raise ValueError("parallel.context > 1 needs Transformer Engine attention (GPU); set parallel.context=1")
         self.cfg = cfg
         self.spec = spec or ModelSpec.from_config(cfg.model)
         learner, algo = cfg.learner, cfg.algo
-        self.policy: RoleModel = build_role(
-            self.spec, cfg.parallel, "policy", learner.policy, total_steps=learner.max_steps,
-            use_distributed_optimizer=learner.use_distributed_optimizer, moe_aux_loss_coeff=learner.moe_aux_loss_coeff,
-        )  # fmt: skip
+        self.policy: RoleModel | None = None
+        if "policy" in roles:
+            self.policy = build_role(
+                self.spec, cfg.parallel, "policy", learner.policy, total_steps=learner.max_steps,
+                use_distributed_optimizer=learner.use_distributed_optimizer,
+                moe_aux_loss_coeff=learner.moe_aux_loss_coeff,
+            )  # fmt: skip
         self.value: RoleModel | None = None
-        if algo.uses_critic:
+        if "value" in roles:
             self.value = build_role(
                 self.spec, cfg.parallel, "value", learner.value,
                 total_steps=learner.max_steps * algo.value.updates_per_policy_step,
@@ -77,28 +93,109 @@ class Learner:
                 if role is not None:
                     logger.info(role.report.summary(role.role))
 
+    @staticmethod
+    def _roles(cfg: SAOConfig, roles: Collection[str] | None) -> set[str]:
+        wanted = {"policy", "value"} if cfg.algo.uses_critic else {"policy"}
+        if roles is None:
+            if cfg.learner.value_on_separate_ranks:
+                raise ValueError(
+                    "learner.value_on_separate_ranks=true: this learner needs roles={'policy'} or roles={'value'} "
+                    "(one per job; launch.sh starts both), or set learner.value_on_separate_ranks=false"
+                )
+            return wanted
+        roles = set(roles)
+        if not roles or roles - wanted:
+            raise ValueError(f"roles={sorted(roles)} must be a non-empty subset of {sorted(wanted)} for "
+                             f"algo.name={cfg.algo.name}")  # fmt: skip
+        return roles
+
     # ------------------------------------------------------------------ weights
 
     def load_hf(self, hf_dir: str) -> None:
         """Initialize both models from an HF checkpoint (the value backbone starts from the policy's weights)."""
         hf = HFCheckpoint(hf_dir)
         self.hf_dtypes = {name: hf.dtype(name) for name in hf.names()}
-        load_hf_weights(self.policy.model, self.spec, hf, role="policy")
-        self.policy.reload_main_params()
-        if self.value is not None:
-            load_hf_weights(self.value.model, self.spec, hf, role="value")
-            self.value.reload_main_params()
+        for role in (self.policy, self.value):
+            if role is not None:
+                load_hf_weights(role.model, self.spec, hf, role=role.role)
+                role.reload_main_params()
 
     # ------------------------------------------------------------------ the step
 
     def train_step(self, trajectories: Sequence[Trajectory], update_policy: bool = True) -> dict[str, float]:
         """One SAO step on `trajectories` (the same list on every rank). update_policy=False runs the critic
         only (value pre-training on rollouts of the frozen initial policy). Returns step metrics."""
-        if not trajectories:
-            raise ValueError("train_step needs at least one trajectory")
+        plan = self._plan(trajectories)
+        if plan is None or isinstance(plan, dict):
+            return plan or {}
+        if self.value is not None:
+            advantages = self._critic_updates(plan)
+        else:
+            assert plan.sequence_advantages is not None
+            advantages = sequence_to_token_advantages(plan.sequence_advantages[plan.mine], plan.batch.action_mask)
+        if update_policy:
+            self._policy_update(plan, advantages)
+        plan.metrics["step/version"] = float(self.version)
+        return plan.metrics
+
+    # The two halves of a step, for a value model on its own ranks (learner.value_on_separate_ranks): the value
+    # job runs critic_step, hands the advantages to the policy job (learner/advantage_channel.py), which runs
+    # policy_step on the same trajectories. Both split them over data-parallel ranks the same way.
+
+    def critic_step(
+        self,
+        trajectories: Sequence[Trajectory],
+        publish: Callable[[dict[str, np.ndarray]], None] | None = None,
+    ) -> dict[str, float]:
+        """Value job: advantages from the values before this step, then K critic updates.
+
+        `publish(advantages_by_id)` is called on every rank right after the advantages exist and before the
+        critic updates, so the policy job can update while the critic trains: float32 [T - 1] per trajectory
+        (shifted layout), filled on the ranks that hold them (last stage, TP rank 0), {} elsewhere.
+        """
+        if self.value is None:
+            raise ValueError("critic_step needs the value role on this learner (roles={'value'} and algo.name=sao)")
+        plan = self._plan(trajectories)
+        if plan is None or isinstance(plan, dict):
+            if publish is not None:
+                publish({})
+            return plan or {}
+        self._critic_updates(plan, publish)
+        self.version += 1
+        plan.metrics["step/version"] = float(self.version)
+        return plan.metrics
+
+    def policy_step(self, trajectories: Sequence[Trajectory], advantages: dict[str, np.ndarray]) -> dict[str, float]:
+        """Policy job: one policy update with advantages computed by the value job (by trajectory id; every rank
+        of the last pipeline stage needs those of its data-parallel shard, e.g. all of them via
+        advantage_channel.broadcast_from_rank0)."""
+        if self.policy is None:
+            raise ValueError("policy_step needs the policy role on this learner (roles={'policy'})")
+        plan = self._plan(trajectories)
+        if plan is None or isinstance(plan, dict):
+            return plan or {}
+        adv = torch.zeros_like(plan.batch.rollout_logprobs)
         from megatron.core import parallel_state as ps
 
-        algo = self.cfg.algo
+        if ps.is_pipeline_last_stage(ignore_virtual=True):  # every TP rank of the last stage computes the loss
+            for row, traj_id in enumerate(plan.batch.trajectory_ids):
+                if traj_id not in advantages:
+                    raise ValueError(f"no advantages for trajectory {traj_id}: the value job did not send them")
+                values = torch.from_numpy(np.asarray(advantages[traj_id], dtype=np.float32))
+                if values.numel() != plan.batch.lengths[row]:
+                    raise ValueError(f"advantages of {traj_id} have {values.numel()} positions, expected "
+                                     f"{plan.batch.lengths[row]}")  # fmt: skip
+                adv[row, : values.numel()] = values
+        self._policy_update(plan, adv)
+        plan.metrics["step/version"] = float(self.version)
+        return plan.metrics
+
+    def _plan(self, trajectories: Sequence[Trajectory]) -> StepPlan | dict[str, float] | None:
+        """Shard, tensorize and pack; returns the step's metrics alone when it has nothing to train on."""
+        if not trajectories:
+            raise ValueError("a learner step needs at least one trajectory")
+        from megatron.core import parallel_state as ps
+
         seq_adv = self._sequence_advantages(trajectories)
         shards = shard_for_data_parallel([t.header.num_tokens for t in trajectories], ps.get_data_parallel_world_size())
         mine = shards[ps.get_data_parallel_rank()]
@@ -114,32 +211,33 @@ class Learner:
         if total_actions == 0:
             logger.warning("step skipped: its %d trajectories hold no generated tokens", len(trajectories))
             return {**metrics, "step/skipped": 1.0}
-        if self.value is not None:
-            advantages = self._critic_updates(batch, mbs, metrics)
-        else:
-            assert seq_adv is not None
-            advantages = sequence_to_token_advantages(seq_adv[mine], batch.action_mask)
-        if update_policy:
-            results, ok, grad_norm = policy_update(
-                self.policy, mbs, batch, advantages, algo, self.cfg.rollout.sampling.temperature, self.spec.vocab_size
-            )
-            metrics.update(reduce_metrics(results))
-            metrics.update(
-                {
-                    "policy/grad_norm": grad_norm,
-                    "policy/update_ok": float(ok),
-                    "policy/lr": self.policy.current_lr(),
-                    **self._moe_metrics(len(mbs)),
-                }
-            )
-            self.version += 1
-            self.trajectories_trained += len(trajectories)
-        metrics["step/version"] = float(self.version)
-        return metrics
+        holds = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+        return StepPlan(len(trajectories), mine, batch, mbs, metrics, seq_adv, holds)
 
-    def _critic_updates(self, batch: StepBatch, mbs: list[MicroBatch], metrics: dict[str, float]) -> torch.Tensor:
+    def _policy_update(self, plan: StepPlan, advantages: torch.Tensor) -> None:
+        assert self.policy is not None
+        results, ok, grad_norm = policy_update(
+            self.policy, plan.mbs, plan.batch, advantages, self.cfg.algo, self.cfg.rollout.sampling.temperature,
+            self.spec.vocab_size,
+        )  # fmt: skip
+        plan.metrics.update(reduce_metrics(results))
+        plan.metrics.update(
+            {
+                "policy/grad_norm": grad_norm,
+                "policy/update_ok": float(ok),
+                "policy/lr": self.policy.current_lr(),
+                **self._moe_metrics(len(plan.mbs)),
+            }
+        )
+        self.version += 1
+        self.trajectories_trained += plan.num_trajectories
+
+    def _critic_updates(
+        self, plan: StepPlan, publish: Callable[[dict[str, np.ndarray]], None] | None = None
+    ) -> torch.Tensor:
         assert self.value is not None
         algo = self.cfg.algo
+        batch, mbs, metrics = plan.batch, plan.mbs, plan.metrics
         old_values = torch.zeros_like(batch.rollout_logprobs)
         with torch.no_grad():
             on_last_stage = collect_values(self.value.ddp, mbs, old_values)
@@ -148,6 +246,12 @@ class Learner:
             rewards = token_rewards(batch.action_mask, batch.rewards, batch.turn_rewards, batch.turn_index)
             targets = compute_step_targets(rewards, old_values, batch.action_mask, algo)
             advantages, returns = targets.advantages, targets.returns
+        if publish is not None:
+            by_id = {}
+            if advantages is not None and plan.holds_outputs:
+                for row, traj_id in enumerate(batch.trajectory_ids):
+                    by_id[traj_id] = advantages[row, : batch.lengths[row]].numpy().copy()
+            publish(by_id)
         for k in range(algo.value.updates_per_policy_step):
             results, ok, grad_norm = value_update(self.value, mbs, batch, returns, old_values, algo.value.clip)
             reduced = explained_variance(reduce_metrics(results))

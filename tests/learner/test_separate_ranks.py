@@ -1,0 +1,103 @@
+"""A critic on its own ranks (learner.value_on_separate_ranks): a value job and a policy job exchanging advantages
+over the advantage channel update every parameter exactly as one learner holding both models."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from megatron_sao.distributed import find_free_port, spawn_ranks
+from megatron_sao.learner.synthetic import make_batch
+from tests.learner.test_learner_step import _assembled, _compare, _one_step_per_layout, learner_config, on_policy
+
+
+def _job(role: str, hf_dir: str, trajectories, address: str, layout: dict) -> dict:
+    import torch.distributed as dist
+
+    from megatron_sao.distributed import init_distributed
+    from megatron_sao.learner.advantage_channel import (
+        AdvantageReceiver,
+        AdvantageSender,
+        broadcast_from_rank0,
+        gather_to_rank0,
+    )
+    from megatron_sao.learner.learner import Learner
+    from megatron_sao.models.shards import local_shards
+
+    cfg = learner_config(hf_dir, layout, int(os.environ["WORLD_SIZE"]))
+    cfg.learner.value_on_separate_ranks = True
+    init_distributed(cfg.parallel, seed=5)
+    learner = Learner(cfg, roles={role})
+    learner.load_hf(hf_dir)
+    rank0 = dist.get_rank() == 0
+    if role == "value":
+        sender = AdvantageSender(address) if rank0 else None
+
+        def publish(local):
+            merged = gather_to_rank0(local)
+            if sender is not None:
+                sender.send(1, merged)
+
+        metrics = learner.critic_step(trajectories, publish)
+        if sender is not None:
+            sender.close()
+        return {"value": local_shards(learner.value.model), "metrics": metrics}
+    receiver = AdvantageReceiver(address) if rank0 else None
+    advantages = broadcast_from_rank0(receiver.recv(1, timeout_s=240) if receiver else None)
+    metrics = learner.policy_step(trajectories, advantages)
+    if receiver is not None:
+        receiver.close()
+    return {"policy": local_shards(learner.policy.model), "metrics": metrics}
+
+
+def _run_jobs(hf_dir: str, trajectories, ranks: int, layout: dict) -> tuple[list[dict], list[dict]]:
+    address = f"tcp://127.0.0.1:{find_free_port()}"
+    out: dict[str, list[dict]] = {}
+
+    def run(role: str) -> None:
+        out[role] = spawn_ranks(_job, ranks, role, hf_dir, trajectories, address, layout, timeout_s=400)
+
+    threads = [threading.Thread(target=run, args=(role,)) for role in ("policy", "value")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(out) == {"policy", "value"}, "a job failed (see the RankFailure above)"
+    return out["policy"], out["value"]
+
+
+@pytest.mark.multiproc
+def test_value_job_and_policy_job_update_like_one_learner(tiny_hf_dir):
+    hf_dir = str(tiny_hf_dir("qwen3_moe"))
+    trajectories = on_policy(make_batch(6, seed=3), hf_dir)
+    ref = spawn_ranks(_one_step_per_layout, 1, hf_dir, trajectories, {"single": {}}, "fp32", timeout_s=300)
+    policy, value = _run_jobs(hf_dir, trajectories, 1, {})
+    _compare(_assembled(ref, "single", "policy"), _assembled([{"x": p} for p in policy], "x", "policy"), 1e-6)
+    _compare(_assembled(ref, "single", "value"), _assembled([{"x": v} for v in value], "x", "value"), 1e-6)
+    assert value[0]["metrics"]["value/updates"] == 2.0
+    assert policy[0]["metrics"]["dis/masked_frac"] == pytest.approx(ref[0]["single"]["metrics"]["dis/masked_frac"])
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_separate_jobs_at_two_ranks_each(tiny_hf_dir):
+    hf_dir = str(tiny_hf_dir("qwen3_moe"))
+    trajectories = on_policy(make_batch(6, seed=4), hf_dir)
+    ref = spawn_ranks(_one_step_per_layout, 1, hf_dir, trajectories, {"single": {}}, "fp32", timeout_s=300)
+    policy, value = _run_jobs(hf_dir, trajectories, 2, {"tensor": 2})
+    _compare(_assembled(ref, "single", "policy"), _assembled([{"x": p} for p in policy], "x", "policy"), 1e-6)
+    _compare(_assembled(ref, "single", "value"), _assembled([{"x": v} for v in value], "x", "value"), 1e-6)
+
+
+def test_separate_ranks_need_an_explicit_role(tiny_hf_dir):
+    from megatron_sao.learner.learner import Learner
+
+    cfg = learner_config(str(tiny_hf_dir("qwen3_moe")), {}, 1)
+    cfg.learner.value_on_separate_ranks = True
+    with pytest.raises(ValueError, match="needs roles="):
+        Learner._roles(cfg, None)
+    with pytest.raises(ValueError, match="subset"):
+        Learner._roles(cfg, {"critic"})
+    assert Learner._roles(cfg, {"value"}) == {"value"}
