@@ -66,6 +66,7 @@ class Scheduler:
         self._updates: list[tuple[ReceivedUpdate, threading.Event, list[BaseException]]] = []
         self._paused = False
         self._stopped = False
+        self._in_step = False  # a prefill/decode step is running outside the lock
         self.stats = {"generated_tokens": 0, "decode_steps": 0, "prefills": 0, "finished": 0, "aborted": 0}
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
 
@@ -110,6 +111,8 @@ class Scheduler:
             elif mode != "in_place":
                 raise ValueError(f"pause mode {mode!r}; use abort, retract or in_place")
             self._paused = True
+            while self._in_step and not self._stopped:  # return at a token boundary: nothing runs after this
+                self._cv.wait(timeout=1.0)
 
     def resume(self) -> None:
         with self._cv:
@@ -159,6 +162,7 @@ class Scheduler:
                     continue
                 admitted = self._admit()
                 batch = [r for r in self._running if r not in admitted]
+                self._in_step = True
             try:
                 for req in admitted:
                     self._prefill(req)
@@ -170,6 +174,10 @@ class Scheduler:
                     for r in [*admitted, *batch]:
                         self._drop(r)
                         self._finish(r, {"type": "abort", "message": f"engine error: {e!r}", "status_code": 500})
+            finally:
+                with self._cv:
+                    self._in_step = False
+                    self._cv.notify_all()
 
     def _apply(self, update: ReceivedUpdate, errors: list[BaseException]) -> None:
         try:
