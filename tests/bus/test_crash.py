@@ -104,9 +104,11 @@ def test_producer_sigkill_and_restart_with_its_spool_exactly_once(cluster: Clust
     r = cluster.receiver(every=20)
     p0 = cluster.producer("p0", workers["p0"], sleep_s=0.02)
     p1 = cluster.producer("p1", workers["p1"])
-    wait_for(lambda: cluster.progress("p0") >= 15, timeout_s=60, what="p0 mid-stream")
+    spool = cluster.tmp / "spool" / "p0"
+    # kill while p0 has uncommitted trajectories on disk (right after a commit its spool can be empty for a moment)
+    wait_for(lambda: cluster.progress("p0") >= 15 and any(spool.glob("*.traj")), timeout_s=60, what="p0 mid-stream")
     cluster.kill(p0)
-    spooled = list((cluster.tmp / "spool" / "p0").glob("*.traj"))
+    spooled = list(spool.glob("*.traj"))
     assert spooled, "the kill should leave uncommitted trajectories in the spool"
     p0 = cluster.producer("p0", workers["p0"])
     cluster.finish(r, [p0, p1])

@@ -111,15 +111,21 @@ def test_memory_stays_bounded_under_a_flood() -> None:
                     raw.pump()
 
         flood(200)
-        wait_for(lambda: r.metrics()["rejected"] + r.metrics()["received"] >= 400, what="warm-up flood handled")
-        gc.collect()
-        before = proc.memory_info().rss
-        flood(2000)  # ~200 MB of frames
-        wait_for(lambda: r.metrics()["rejected"] + r.metrics()["received"] >= 4400, timeout_s=60, what="flood")
-        gc.collect()
-        grown = proc.memory_info().rss - before
+        handled = 400
+        wait_for(lambda: r.metrics()["rejected"] + r.metrics()["received"] >= handled, what="warm-up flood handled")
+        rss = []
+        for _ in range(4):  # ~100 MB of frames per round: a leak of whole messages shows as growth per round
+            flood(1000)
+            handled += 2000
+            wait_for(lambda h=handled: r.metrics()["rejected"] + r.metrics()["received"] >= h, timeout_s=60,
+                     what="flood")  # fmt: skip
+            gc.collect()
+            rss.append(proc.memory_info().rss)
         m = r.metrics()
-        assert m["queued"] <= 16  # never more than the credits it granted
+        assert m["queued"] <= 16, m  # never more than the credits it granted
         assert m["rejected_no_credit"] > 0
-        assert grown < 40 << 20, f"RSS grew by {grown / 2**20:.1f} MB"
+        grown = [(x - rss[0]) / 2**20 for x in rss]
+        # after the first round (allocator pools warm) ~300 MB more flow through: RSS moves by allocator noise
+        # (seen: +-35 MB), while keeping even a sixth of the refused messages would add > 50 MB
+        assert max(grown) < 64, f"RSS after each flood round, relative to the first: {grown} MB"
         raw.close()
