@@ -24,7 +24,8 @@ def tiny_transformer_config(parallel: ParallelConfig, dtype: str = "fp32", **ove
     """TransformerConfig of a 2-layer, 4-expert top-2 MoE with RMSNorm/SwiGLU, laid out by `parallel`."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    params_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    from megatron_sao.models.builder import numerics
+
     base: dict[str, Any] = dict(
         num_layers=2,
         hidden_size=64,
@@ -42,17 +43,8 @@ def tiny_transformer_config(parallel: ParallelConfig, dtype: str = "fp32", **ove
         add_bias_linear=False,  # MoE LLMs have none; megatron's SequentialMLP bias path also breaks autograd
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        use_cpu_initialization=True,
         perform_initialization=True,
-        bf16=dtype == "bf16",
-        params_dtype=params_dtype,
-        pipeline_dtype=params_dtype,
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
+        **numerics(dtype, use_te=False),
         tensor_model_parallel_size=parallel.tensor,
         pipeline_model_parallel_size=parallel.pipeline,
         expert_model_parallel_size=parallel.expert,
@@ -141,25 +133,11 @@ def lm_forward_backward(model: Any, batch: Batch, num_microbatches: int = 2, for
 
 
 def wrap_ddp_and_optimizer(model: Any, config: Any, use_distributed_optimizer: bool, lr: float = 1e-3) -> Any:
-    """Megatron DDP around `model` plus get_megatron_optimizer (Adam); returns (ddp_model, optimizer)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    """Megatron DDP around `model` plus its Adam (the learner's own wrapping); returns (ddp_model, optimizer)."""
+    from megatron_sao.config.learner import RoleOptimConfig
+    from megatron_sao.learner.roles import wrap_ddp_and_optimizer as wrap
 
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer
-    )
-    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    config.finalize_model_grads_func = finalize_model_grads
-    opt_config = OptimizerConfig(
-        optimizer="adam",
-        lr=lr,
-        weight_decay=0.0,
-        clip_grad=1.0,
-        bf16=config.bf16,
-        params_dtype=config.params_dtype,
-        use_distributed_optimizer=use_distributed_optimizer,
-    )
-    return ddp, get_megatron_optimizer(opt_config, [ddp])
+    return wrap(model, config, RoleOptimConfig(lr=lr), use_distributed_optimizer)
 
 
 def train_step(ddp: Any, optimizer: Any, batch: Batch, num_microbatches: int = 2) -> tuple[list[float], float]:

@@ -73,14 +73,15 @@ def run_microbatches(
     )
 
 
-def collect_values(model: Any, microbatches: Sequence[MicroBatch], out: torch.Tensor) -> bool:
-    """Forward-only value pass; writes V(position) into `out` [B, L] (shifted layout). Returns False on ranks
-    that are not the last pipeline stage (they hold no values)."""
+def _collect(
+    model: Any, microbatches: Sequence[MicroBatch], out: torch.Tensor, per_position: Callable[..., torch.Tensor]
+) -> bool:
+    """Forward-only pass writing `per_position(micro_batch, output)` ([S] floats) into `out` [B, L] (shifted
+    layout). Returns False on ranks that are not the last pipeline stage (they hold no outputs)."""
 
     def loss_fn(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        values = output.reshape(-1).float().detach()
-        zero = values.new_zeros(())
-        return zero, torch.zeros((), dtype=torch.int), {"values": values.cpu()}
+        values = per_position(mb, output).detach()
+        return values.new_zeros(()), torch.zeros((), dtype=torch.int), {"values": values.cpu()}
 
     results = run_microbatches(model, microbatches, loss_fn, forward_only=True)
     if not results:
@@ -90,18 +91,17 @@ def collect_values(model: Any, microbatches: Sequence[MicroBatch], out: torch.Te
     return True
 
 
+def collect_values(model: Any, microbatches: Sequence[MicroBatch], out: torch.Tensor) -> bool:
+    """Value model: V(position) into `out` [B, L]; False off the last pipeline stage."""
+    return _collect(model, microbatches, out, lambda mb, output: output.reshape(-1).float())
+
+
 def collect_logprobs(
     model: Any, microbatches: Sequence[MicroBatch], out: torch.Tensor, temperature: float, vocab_size: int
 ) -> bool:
-    """Forward-only policy pass writing log-probs of each predicted token into `out` [B, L]."""
+    """Policy model: log-probs of each predicted token into `out` [B, L]; False off the last pipeline stage."""
 
-    def loss_fn(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        logp = token_logprobs(output.reshape(mb.seq_len, -1), mb.targets(), temperature, vocab_size).detach()
-        return logp.new_zeros(()), torch.zeros((), dtype=torch.int), {"logprobs": logp.cpu()}
+    def logprobs(mb: MicroBatch, output: torch.Tensor) -> torch.Tensor:
+        return token_logprobs(output.reshape(mb.seq_len, -1), mb.targets(), temperature, vocab_size)
 
-    results = run_microbatches(model, microbatches, loss_fn, forward_only=True)
-    if not results:
-        return False
-    for mb, r in zip(microbatches, results):
-        mb.unpack_into(r["logprobs"], out)
-    return True
+    return _collect(model, microbatches, out, logprobs)

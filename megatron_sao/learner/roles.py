@@ -96,29 +96,14 @@ class RoleModel:
         return float(self.optimizer.param_groups[0]["lr"])
 
 
-def build_role(
-    spec: ModelSpec,
-    parallel: ParallelConfig,
-    role: Role,
-    optim: RoleOptimConfig,
-    *,
-    total_steps: int,
-    use_distributed_optimizer: bool,
-    moe_aux_loss_coeff: float = 0.0,
-    seed: int = 0,
-) -> RoleModel:
-    """Build, freeze, wrap and attach an optimizer; weights are still the random init (load them next)."""
+def wrap_ddp_and_optimizer(
+    model: Any, config: Any, optim: RoleOptimConfig, use_distributed_optimizer: bool
+) -> tuple[Any, Any]:
+    """megatron DDP around `model` (gradients reduced in fp32) and its Adam (distributed or not) with `optim`'s
+    hyperparameters and gradient clipping; returns (ddp_model, optimizer). Only trainable parameters get buffers."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    config = transformer_config(spec, parallel, moe_aux_loss_coeff=moe_aux_loss_coeff if role == "policy" else 0.0)
-    model = build_model(spec, config, role, value_head_seed=seed)
-    report = select_trainable(model, optim.trainable, optim.frozen)
-    if report.trainable_numel == 0 and report.frozen_numel != 0:
-        logger.warning("%s: no trainable parameters on this rank (patterns %s)", role, optim.trainable)
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer
     )
@@ -137,7 +122,31 @@ def build_role(
         params_dtype=config.params_dtype,
         use_distributed_optimizer=use_distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    return ddp, get_megatron_optimizer(opt_config, [ddp])
+
+
+def build_role(
+    spec: ModelSpec,
+    parallel: ParallelConfig,
+    role: Role,
+    optim: RoleOptimConfig,
+    *,
+    total_steps: int,
+    use_distributed_optimizer: bool,
+    moe_aux_loss_coeff: float = 0.0,
+    seed: int = 0,
+) -> RoleModel:
+    """Build, freeze, wrap and attach an optimizer; weights are still the random init (load them next)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    config = transformer_config(spec, parallel, moe_aux_loss_coeff=moe_aux_loss_coeff if role == "policy" else 0.0)
+    model = build_model(spec, config, role, value_head_seed=seed)
+    report = select_trainable(model, optim.trainable, optim.frozen)
+    if report.trainable_numel == 0 and report.frozen_numel != 0:
+        logger.warning("%s: no trainable parameters on this rank (patterns %s)", role, optim.trainable)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    ddp, optimizer = wrap_ddp_and_optimizer(model, config, optim, use_distributed_optimizer)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if optim.warmup_steps else optim.lr,

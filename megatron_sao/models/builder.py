@@ -93,7 +93,8 @@ class ModelSpec:
         )
 
 
-def _numerics(dtype: str, use_te: bool) -> dict[str, Any]:
+def numerics(dtype: str, use_te: bool) -> dict[str, Any]:
+    """dtype and kernel-fusion settings of a TransformerConfig: fusions need TE/apex/CUDA kernels."""
     params_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     return dict(
         bf16=dtype == "bf16",
@@ -162,7 +163,7 @@ def transformer_config(
         moe_router_bias_update_rate=0.0,
         variable_seq_lengths=True,
         calculate_per_token_loss=True,
-        **_numerics(spec.dtype, use_te),
+        **numerics(spec.dtype, use_te),
     )
     if spec.use_dsa_indexer:
         kwargs["experimental_attention_variant"] = "dsa"
