@@ -51,18 +51,34 @@ def _turn_index(traj: Trajectory) -> np.ndarray:
     return idx
 
 
-def make_step_batch(trajectories: Sequence[Trajectory], max_seq_len: int) -> StepBatch:
-    """Validate and tensorize trajectories (a data-parallel shard may be empty). Raises ValueError naming the
-    trajectory when one cannot be used."""
-    for t in trajectories:
+def check_trainable(t: Trajectory, max_seq_len: int, vocab_size: int | None = None) -> None:
+    """Raise ValueError naming the trajectory when the learner cannot train on it (invalid values, too short or
+    too long, token ids outside the model's vocabulary)."""
+    try:
         t.validate()
-        if t.header.num_tokens < 2:
-            raise ValueError(f"trajectory {t.trajectory_id} has {t.header.num_tokens} tokens; at least 2 are needed")
-        if t.header.num_tokens > max_seq_len:
-            raise ValueError(
-                f"trajectory {t.trajectory_id} has {t.header.num_tokens} tokens, more than model.max_seq_len="
-                f"{max_seq_len}; raise model.max_seq_len or lower rollout.max_total_tokens"
-            )
+    except ValueError as e:
+        raise ValueError(f"trajectory {t.trajectory_id}: {e}") from None
+    if t.header.num_tokens < 2:
+        raise ValueError(f"trajectory {t.trajectory_id} has {t.header.num_tokens} tokens; at least 2 are needed")
+    if t.header.num_tokens > max_seq_len:
+        raise ValueError(
+            f"trajectory {t.trajectory_id} has {t.header.num_tokens} tokens, more than model.max_seq_len="
+            f"{max_seq_len}; raise model.max_seq_len or lower rollout.max_total_tokens"
+        )
+    if vocab_size is not None and int(t.tokens.max()) >= vocab_size:
+        raise ValueError(
+            f"trajectory {t.trajectory_id} holds token id {int(t.tokens.max())} >= the model's vocab_size "
+            f"{vocab_size}; the engines serve another model than the learner trains"
+        )
+
+
+def make_step_batch(
+    trajectories: Sequence[Trajectory], max_seq_len: int, vocab_size: int | None = None, checked: bool = False
+) -> StepBatch:
+    """Validate (unless the caller already ran check_trainable: `checked`) and tensorize trajectories (a
+    data-parallel shard may be empty). Raises ValueError naming the trajectory when one cannot be used."""
+    for t in () if checked else trajectories:
+        check_trainable(t, max_seq_len, vocab_size)
     width = max((t.header.num_tokens for t in trajectories), default=1) - 1
     b = len(trajectories)
     action = torch.zeros(b, width, dtype=torch.bool)

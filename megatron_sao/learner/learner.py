@@ -29,7 +29,7 @@ from megatron_sao.algo import (
 )
 from megatron_sao.bus.schema import Trajectory
 from megatron_sao.config.tree import SAOConfig
-from megatron_sao.learner.batch import StepBatch, make_step_batch, select, shard_for_data_parallel
+from megatron_sao.learner.batch import StepBatch, check_trainable, make_step_batch, select, shard_for_data_parallel
 from megatron_sao.learner.forward import collect_values
 from megatron_sao.learner.metrics import all_reduce_scalar, explained_variance, reduce_metrics
 from megatron_sao.learner.packing import MicroBatch, pack_microbatches, plan_microbatches
@@ -196,16 +196,20 @@ class Learner:
             raise ValueError("a learner step needs at least one trajectory")
         from megatron.core import parallel_state as ps
 
+        trajectories, invalid = self._trainable(trajectories)
+        if not trajectories:
+            return {"step/invalid_trajectories": float(invalid), "step/skipped": 1.0}
         seq_adv = self._sequence_advantages(trajectories)
         shards = shard_for_data_parallel([t.header.num_tokens for t in trajectories], ps.get_data_parallel_world_size())
         mine = shards[ps.get_data_parallel_rank()]
-        batch = make_step_batch(select(trajectories, mine), self.cfg.model.max_seq_len)
+        batch = make_step_batch(select(trajectories, mine), self.cfg.model.max_seq_len, checked=True)
         mbs = self._microbatches(batch)
         total_actions = all_reduce_scalar(batch.num_action_tokens(), group=ps.get_data_parallel_group())
         metrics: dict[str, float] = {
             "step/trajectories": float(len(trajectories)),
             "step/action_tokens": total_actions,
             "step/microbatches": float(len(mbs)),
+            "step/invalid_trajectories": float(invalid),
             **self._staleness(trajectories),
         }
         if total_actions == 0:
@@ -272,6 +276,20 @@ class Learner:
         count = int(all_reduce_scalar(float(mine), op="max"))
         pad = self.cfg.parallel.tensor * (2 * self.cfg.parallel.context if self.cfg.parallel.context > 1 else 1)
         return pack_microbatches(batch, budget, pad, self.use_thd, min_count=count)
+
+    def _trainable(self, trajectories: Sequence[Trajectory]) -> tuple[list[Trajectory], int]:
+        """Drop (and log) trajectories the learner cannot train on; one bad episode never stops a step. Every rank
+        sees the same list, so every rank drops the same ones."""
+        kept: list[Trajectory] = []
+        for t in trajectories:
+            try:
+                check_trainable(t, self.cfg.model.max_seq_len, self.spec.vocab_size)
+            except ValueError as e:
+                if dist.get_rank() == 0:
+                    logger.error("dropping a trajectory: %s", e)
+                continue
+            kept.append(t)
+        return kept, len(trajectories) - len(kept)
 
     def _sequence_advantages(self, trajectories: Sequence[Trajectory]) -> torch.Tensor | None:
         """Critic-free arms: one advantage per trajectory, computed on the whole step before sharding."""

@@ -127,3 +127,27 @@ def test_learner_step_updates_parameters_the_same_at_every_layout(tiny_hf_dir, f
             assert r["frozen_same"] and r["num_frozen"] > 0
             assert r["value_optimizer_steps"] == 2 and r["value_adam_steps"] <= {2.0}
             assert r["policy_version"] == 1
+
+
+def _step_with_bad_trajectories(hf_dir: str, trajectories) -> dict:
+    from megatron_sao.distributed import init_distributed
+    from megatron_sao.learner.learner import Learner
+
+    cfg = learner_config(hf_dir, {}, 1)
+    init_distributed(cfg.parallel)
+    learner = Learner(cfg)
+    learner.load_hf(hf_dir)
+    return learner.train_step(trajectories)
+
+
+@pytest.mark.multiproc
+def test_untrainable_trajectories_are_dropped_and_counted_not_fatal(tiny_hf_dir):
+    import numpy as np
+
+    hf_dir = str(tiny_hf_dir("qwen3_moe"))
+    good, out_of_vocab, nan_logprob = on_policy(make_batch(3, seed=9), hf_dir)
+    out_of_vocab.tokens[3] = 100_000  # beyond the model's 512-token vocabulary
+    nan_logprob.rollout_logprobs[np.flatnonzero(nan_logprob.action_mask)[0]] = np.nan
+    metrics = spawn_ranks(_step_with_bad_trajectories, 1, hf_dir, [good, out_of_vocab, nan_logprob], timeout_s=200)[0]
+    assert metrics["step/invalid_trajectories"] == 2.0
+    assert metrics["step/trajectories"] == 1.0 and metrics["step/version"] == 1.0
