@@ -25,6 +25,14 @@ if not torch.cuda.is_available():
     # Expected on the CPU path; megatron-core prints it once per module that falls back.
     for _expected in ("Transformer Engine and Apex are not installed", "Apex is not installed"):
         warnings.filterwarnings("ignore", message=_expected, category=UserWarning)
+    # megatron-core internals, not actionable by users: fp32 DistributedOptimizer main params are views of the
+    # model params (non-leaf tensors whose .grad it reads), TransformerConfig's own cuda_graph_scope default,
+    # and torch's rename of the collectives megatron calls.
+    warnings.filterwarnings(
+        "ignore", message="The .grad attribute of a Tensor that is not a leaf", category=UserWarning
+    )
+    warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
 
 class UntestedMegatronWarning(UserWarning):
