@@ -172,6 +172,8 @@ class Scheduler:
                 log.exception("forward pass failed")
                 with self._cv:
                     for r in [*admitted, *batch]:
+                        if r.done.is_set():  # finished (e.g. aborted) before the failure: keep its result
+                            continue
                         self._drop(r)
                         self._finish(r, {"type": "abort", "message": f"engine error: {e!r}", "status_code": 500})
             finally:
@@ -214,8 +216,13 @@ class Scheduler:
             self._append([req], logits)
 
     def _decode(self, batch: list[Request]) -> None:
-        ids = torch.tensor([[r.output_ids[-1]] for r in batch], dtype=torch.long)
-        logits = self.runner.forward(self.cache, [r.slot for r in batch], [r.kv_len for r in batch], ids)
+        with self._cv:  # requests aborted or retracted while the prefills ran have no slot any more
+            batch = [r for r in batch if r.slot is not None]
+            if not batch:
+                return
+            ids = torch.tensor([[r.output_ids[-1]] for r in batch], dtype=torch.long)
+            slots, lengths = [r.slot for r in batch], [r.kv_len for r in batch]
+        logits = self.runner.forward(self.cache, slots, lengths, ids)
         self.stats["decode_steps"] += 1
         with self._cv:
             live = [(i, r) for i, r in enumerate(batch) if r.slot is not None]
