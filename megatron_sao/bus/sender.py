@@ -10,6 +10,7 @@ with a spool, until the receiver acknowledges receipt); do not modify them after
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import threading
@@ -22,7 +23,7 @@ import zmq
 from megatron_sao.bus import auth, codec, protocol
 from megatron_sao.bus.schema import Trajectory
 from megatron_sao.bus.sender_io import Entry, Outbox, SenderIO
-from megatron_sao.bus.spool import Spool
+from megatron_sao.bus.spool import RESERVE_BLOCK, Spool
 from megatron_sao.config.bus import BusConfig
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,8 @@ class TrajectorySender:
         self.worker_id = worker_id
         self._limits = codec.Limits(cfg.max_frame_bytes, cfg.max_message_bytes, cfg.max_header_bytes)
         keys = auth.load_client_keys(cfg)  # config errors first, before anything is created
-        self._spool = Spool(cfg.spool_dir, worker_id, cfg.spool_fsync) if cfg.spool_dir else None
+        reserve = min(RESERVE_BLOCK, max(1, cfg.max_uncommitted // 4))
+        self._spool = Spool(cfg.spool_dir, worker_id, cfg.spool_fsync, reserve) if cfg.spool_dir else None
         epoch = self._spool.epoch if self._spool else secrets.token_hex(8)
         self._outbox = Outbox(next_seq=self._spool.peek_next_seq if self._spool else 0)
         if self._spool is not None:
@@ -106,8 +108,9 @@ class TrajectorySender:
             if self._outbox.wake_pending:
                 return
             self._outbox.wake_pending = True
-        with self._wake_lock:
-            self._wake_tx.send(b"")
+        # NOBLOCK: once the I/O thread is gone nobody reads the pair socket (send() then reports its error)
+        with self._wake_lock, contextlib.suppress(zmq.Again):
+            self._wake_tx.send(b"", zmq.NOBLOCK)
 
     # ---- public API --------------------------------------------------------------------------------------------
 
@@ -121,6 +124,8 @@ class TrajectorySender:
         """
         if self._closed:
             raise RuntimeError("TrajectorySender is closed")
+        if self._outbox.error is not None:
+            raise RuntimeError("bus sender I/O thread failed; see the log") from self._outbox.error
         if self.cfg.validate_on_send:
             traj.validate()
         else:
@@ -156,6 +161,11 @@ class TrajectorySender:
     def _has_room(self, nbytes: int, slack: int) -> bool:
         ob = self._outbox
         if len(ob.unsent) + slack >= self.cfg.max_inflight or len(ob.entries) >= self.cfg.max_uncommitted:
+            return False
+        # the receiver only takes seq in [base, base + max_uncommitted): gaps left by out-of-order commits,
+        # rejects or a spool restart count too, or the next trajectory would be refused (and lost)
+        next_seq = self._spool.peek_next_seq if self._spool is not None else ob.next_seq
+        if next_seq - ob.base() >= self.cfg.max_uncommitted:
             return False
         return self._spool is not None or not ob.entries or ob.mem_bytes + nbytes <= self.cfg.max_uncommitted_bytes
 

@@ -44,7 +44,10 @@ class SpooledEntry:
 class Spool:
     """The spool directory of one worker; one live TrajectorySender per directory (flock)."""
 
-    def __init__(self, root: str | Path, worker_id: str, fsync: bool) -> None:
+    def __init__(self, root: str | Path, worker_id: str, fsync: bool, reserve_block: int = RESERVE_BLOCK) -> None:
+        """`reserve_block`: sequence numbers reserved per meta.json write; a restart skips at most that many, so
+        the sender keeps it well inside bus.max_uncommitted (the receiver's sequence window)."""
+        self._reserve_block = max(1, reserve_block)
         self.dir = Path(root) / quote(worker_id, safe="")
         self.dir.mkdir(parents=True, exist_ok=True)
         self._fsync = fsync
@@ -79,7 +82,7 @@ class Spool:
         return self.dir / f"{seq:020d}.traj"
 
     def _reserve(self) -> None:
-        self._reserved = self._next + RESERVE_BLOCK
+        self._reserved = self._next + self._reserve_block
         self._write_atomic(self.dir / "meta.json", [json.dumps({"epoch": self.epoch, "reserved": self._reserved})])
 
     def next_seq(self) -> int:

@@ -253,3 +253,51 @@ def test_settled_streams_are_forgotten_so_the_state_stays_bounded() -> None:
         m = r.metrics()
         assert m["streams"] == 1 and m["streams_forgotten"] == 2
         assert [k.split("#")[0] for k in r.state_dict()["streams"]] == ["c"]
+
+
+def test_spool_restart_with_a_small_window_loses_nothing(tmp_path) -> None:
+    """The receiver takes seq only inside [base, base + max_uncommitted); after a restart the spool resumes past its
+    reservation, so the sender must keep new sequence numbers inside that window (it used to get them refused)."""
+    cfg = fast_cfg(free_addr(), spool_dir=str(tmp_path), max_uncommitted=8)
+    got: set[str] = set()
+    with TrajectoryReceiver(cfg) as r:
+        s = TrajectorySender(cfg, "w")
+        for i in range(3):
+            s.send(traj(i), timeout_s=5)
+        s.close(timeout_s=0.5)  # nothing committed: all three stay in the spool
+        s = TrajectorySender(cfg, "w")
+        for i in range(3, 12):
+            s.send(traj(i), timeout_s=10)  # blocks while the window is full, until the learner commits
+            got |= {t.trajectory_id for t in r.recv_batch(8, timeout_s=0.2)}
+            r.commit()
+        deadline = time.monotonic() + 10
+        while len(got) < 12 and time.monotonic() < deadline:
+            got |= {t.trajectory_id for t in r.recv_batch(12, timeout_s=0.2)}
+            r.commit()
+        assert s.rejected() == [] and r.metrics()["rejected"] == 0
+        s.close()
+    assert got == {f"w-{i}" for i in range(12)}
+
+
+def test_send_reports_a_dead_io_thread_instead_of_hanging(monkeypatch) -> None:
+    from megatron_sao.bus import sender_io
+
+    def broken_loop(self, wake) -> None:
+        raise OSError("simulated socket failure")
+
+    monkeypatch.setattr(sender_io.SenderIO, "loop", broken_loop)
+    s = TrajectorySender(fast_cfg(free_addr()), "w")
+    wait_for(lambda: s._outbox.error is not None, what="the I/O thread's failure")
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            s.send(traj(0), timeout_s=2)
+        except RuntimeError as e:
+            errors.append(e)
+        done.set()
+
+    threading.Thread(target=send, daemon=True).start()
+    assert done.wait(5), "send() hung after the I/O thread died"
+    assert errors and "I/O thread failed" in str(errors[0])
