@@ -299,5 +299,8 @@ def test_send_reports_a_dead_io_thread_instead_of_hanging(monkeypatch) -> None:
         done.set()
 
     threading.Thread(target=send, daemon=True).start()
-    assert done.wait(5), "send() hung after the I/O thread died"
-    assert errors and "I/O thread failed" in str(errors[0])
+    try:
+        assert done.wait(5), "send() hung after the I/O thread died"
+        assert errors and "I/O thread failed" in str(errors[0])
+    finally:
+        s.close()  # a dead I/O thread must not stop close(); an unclosed context would hang at GC
