@@ -46,13 +46,14 @@ class PolicyOptimConfig(RoleOptimConfig):
 
 
 class ValueOptimConfig(RoleOptimConfig):
-    """The critic's optimizer. SAO freezes the critic's attention: experts, shared experts and the value head
-    (the value model's output_layer) train; attention, router, norms and embeddings stay frozen."""
+    """The critic's optimizer. SAO freezes the critic's attention: every MLP (routed experts, shared experts and
+    the dense MLPs of leading dense layers) and the value head (the value model's output_layer) train; attention,
+    router, norms and embeddings stay frozen."""
 
     lr: float = Field(default=5e-6, gt=0.0)
     warmup_steps: int = Field(default=10, ge=0)
     trainable: list[str] = Field(
-        default_factory=lambda: ["*.mlp.experts.*", "*.mlp.shared_experts.*", "output_layer.*"]
+        default_factory=lambda: ["*.mlp.experts.*", "*.mlp.shared_experts.*", "*.mlp.linear_fc*", "output_layer.*"]
     )
     frozen: list[str] = Field(default_factory=lambda: ["*.self_attention.*", "*.router.*", "*norm*", "embedding.*"])
 

@@ -125,7 +125,7 @@ def test_learner_step_updates_parameters_the_same_at_every_layout(tiny_hf_dir, f
         for rank in per_rank:
             r = rank[layout]
             assert r["frozen_same"] and r["num_frozen"] > 0
-            assert r["value_optimizer_steps"] == 2 and r["value_adam_steps"] <= {2.0}
+            assert r["value_optimizer_steps"] == 2 and r["value_adam_steps"] == {2.0}
             assert r["policy_version"] == 1
 
 
