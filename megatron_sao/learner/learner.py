@@ -28,6 +28,7 @@ from megatron_sao.algo import (
     token_rewards,
 )
 from megatron_sao.bus.schema import Trajectory
+from megatron_sao.config.parallel import ParallelConfig
 from megatron_sao.config.tree import SAOConfig
 from megatron_sao.learner.batch import StepBatch, check_trainable, make_step_batch, select, shard_for_data_parallel
 from megatron_sao.learner.forward import collect_values
@@ -54,6 +55,21 @@ class StepPlan:
     holds_outputs: bool  # last pipeline stage, TP rank 0: the loss functions' values live here
 
 
+def _check_learner_parallelism(parallel: ParallelConfig) -> None:
+    """Refuse layouts the learner does not implement yet, instead of training on wrong numbers."""
+    if parallel.context > 1:
+        raise ValueError(
+            f"parallel.context = {parallel.context}: the learner does not split packed sequences across "
+            "context-parallel ranks yet; set parallel.context=1 (long trajectories: raise parallel.tensor with "
+            "sequence parallelism, or lower learner.max_tokens_per_microbatch)"
+        )
+    if parallel.virtual_pipeline is not None:
+        raise ValueError(
+            f"parallel.virtual_pipeline = {parallel.virtual_pipeline}: the learner builds one model chunk per "
+            "pipeline stage (no interleaved schedule yet); remove parallel.virtual_pipeline"
+        )
+
+
 class Learner:
     """Owns the roles on this rank, the policy weight version and the critic-free baselines' state."""
 
@@ -63,8 +79,7 @@ class Learner:
         {"value"} to each."""
         roles = self._roles(cfg, roles)
         self.use_thd = transformer_engine_available()
-        if cfg.parallel.context > 1 and not self.use_thd:
-            raise ValueError("parallel.context > 1 needs Transformer Engine attention (GPU); set parallel.context=1")
+        _check_learner_parallelism(cfg.parallel)
         self.cfg = cfg
         self.spec = spec or ModelSpec.from_config(cfg.model)
         learner, algo = cfg.learner, cfg.algo
@@ -274,7 +289,7 @@ class Learner:
         budget = self.cfg.learner.max_tokens_per_microbatch
         mine = len(plan_microbatches([int(t.numel()) for t in batch.tokens], budget)) or 1
         count = int(all_reduce_scalar(float(mine), op="max"))
-        pad = self.cfg.parallel.tensor * (2 * self.cfg.parallel.context if self.cfg.parallel.context > 1 else 1)
+        pad = self.cfg.parallel.tensor
         return pack_microbatches(batch, budget, pad, self.use_thd, min_count=count)
 
     def _trainable(self, trajectories: Sequence[Trajectory]) -> tuple[list[Trajectory], int]:

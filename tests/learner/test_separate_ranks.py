@@ -101,3 +101,16 @@ def test_separate_ranks_need_an_explicit_role(tiny_hf_dir):
     with pytest.raises(ValueError, match="subset"):
         Learner._roles(cfg, {"critic"})
     assert Learner._roles(cfg, {"value"}) == {"value"}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [("context", 2, "parallel.context = 2"), ("virtual_pipeline", 2, "parallel.virtual_pipeline = 2")],
+)
+def test_layouts_the_learner_does_not_implement_are_refused(tiny_hf_dir, field: str, value: int, message: str):
+    from megatron_sao.learner.learner import Learner
+
+    cfg = learner_config(str(tiny_hf_dir("qwen3_moe")), {}, 1)
+    setattr(cfg.parallel, field, value)
+    with pytest.raises(ValueError, match=message):  # before anything distributed is touched
+        Learner(cfg)
