@@ -62,9 +62,13 @@ def patch_mla_have_te() -> None:
 @register(
     "torch-norm-sequence-parallel",
     works_around="megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__",
-    why="'AssertionError: sequence parallel not supported by torch LayerNorm'; megatron requires sequence "
+    why="(1) 'AssertionError: sequence parallel not supported by torch LayerNorm'; megatron requires sequence "
     "parallelism for MoE + TP. The torch norm is built anyway and its parameters are tagged sequence_parallel "
-    "so finalize_model_grads all-reduces their gradients over TP, which is what the TE/apex norms do",
+    "so finalize_model_grads all-reduces their gradients over TP, which is what the TE/apex norms do; (2) the "
+    "torch norm ignores config.params_dtype (fp32 weights in a bf16 model, where TE norms are bf16): the "
+    "distributed optimizer then mixes fp32 and bf16 parameters in one param group and its checkpoint code "
+    "pairs parameters with the wrong main params ('size of tensor a (128) must match ... (64)' saving glm4_moe "
+    "in bf16). The weights are cast to params_dtype",
 )
 def patch_torch_norm_sequence_parallel() -> None:
     from megatron.core.transformer import torch_norm
@@ -74,15 +78,15 @@ def patch_torch_norm_sequence_parallel() -> None:
         return
 
     def new(cls: type, config: Any, hidden_size: int, eps: float = 1e-5, *args: Any, **kwargs: Any) -> Any:
-        if not config.sequence_parallel:
-            return original(cls, config, hidden_size, eps, *args, **kwargs)
+        sequence_parallel = config.sequence_parallel
         object.__setattr__(config, "sequence_parallel", False)
         try:
             norm = original(cls, config, hidden_size, eps, *args, **kwargs)
         finally:
-            object.__setattr__(config, "sequence_parallel", True)
+            object.__setattr__(config, "sequence_parallel", sequence_parallel)
+        norm.to(dtype=config.params_dtype)
         for p in norm.parameters():
-            p.sequence_parallel = True
+            p.sequence_parallel = sequence_parallel
         return norm
 
     new._megatron_sao = True  # type: ignore[attr-defined]
@@ -146,17 +150,32 @@ def _restore_adam_steps(dist_opt: Any) -> None:
                 state["step"] = step.clone()
 
 
+def _init_fresh_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """The state torch.optim.Adam creates lazily in its first step(): step 0 and zero moments (same dtypes), so
+    that a checkpoint saved before any step has something to save and the first real step is unchanged."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group.get("amsgrad", False):
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
 @register(
     "distopt-load-torch-adam",
     works_around="megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.sharded_state_dict "
-    "(is_loading=True) and DistributedOptimizer.load_state_dict, with torch.optim.Adam (no apex/TE)",
+    "and DistributedOptimizer.load_state_dict, with torch.optim.Adam (no apex/TE)",
     why="(1) 'AssertionError' at 'assert len(steps) == 1' in state_dict(): a fresh torch Adam has no state, so "
     "dummy state is made first; (2) 'a view of a leaf Variable that requires grad is being used in an in-place "
     "operation' (fp32 main params are views of model params), so the load runs under no_grad; (3) SILENT: after "
     "a dp_reshardable load every per-parameter Adam 'step' is 1 instead of the saved iteration, so the next "
     "update differs from an uninterrupted run; the saved step is restored; (4) 'KeyError: step' loading the "
     "fully_reshardable format (DistributedOptimizer._set_main_param_and_optimizer_states copies every torch-Adam "
-    "state key, but that format carries 'step' in the param groups only): the missing key is left to (3)",
+    "state key, but that format carries 'step' in the param groups only): the missing key is left to (3); (5) the "
+    "same assertion when SAVING before the first step (a checkpoint right after loading weights): torch Adam's "
+    "own fresh state (step 0, zero moments) is created, which its first step() would have made identically",
 )
 def patch_distributed_optimizer_load() -> None:
     from megatron.core.optimizer import distrib_optimizer as dopt
@@ -172,8 +191,11 @@ def patch_distributed_optimizer_load() -> None:
     @functools.wraps(original_sharded_state_dict)
     def sharded_state_dict(self: Any, *args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(self, *args, **kwargs)
-        if bound.arguments.get("is_loading", False) and len(self.optimizer.state) == 0:
-            self._init_optimizer_states_with_dummy_values()
+        if len(self.optimizer.state) == 0:
+            if bound.arguments.get("is_loading", False):
+                self._init_optimizer_states_with_dummy_values()  # overwritten by the load
+            else:
+                _init_fresh_adam_state(self.optimizer)
         return original_sharded_state_dict(self, *args, **kwargs)
 
     @functools.wraps(original_load_state_dict)
