@@ -104,7 +104,7 @@ def _common_state(learner: Learner, extra: dict[str, Any] | None) -> dict[str, A
         "trajectories_trained": learner.trajectories_trained,
         "layout": _layout(),
         "model": {"family": learner.spec.family.name, "hf_config": learner.spec.hf, "dtype": learner.spec.dtype},
-        HF_SOURCE_KEY: hf_source_record(learner.spec, learner.hf_dtypes),
+        HF_SOURCE_KEY: learner.hf_source or hf_source_record(learner.spec, {}),
         "algo": learner.cfg.algo.name,
         "extra": extra or {},
     }
@@ -117,17 +117,37 @@ def _common_state(learner: Learner, extra: dict[str, Any] | None) -> dict[str, A
     return common
 
 
+def role_dir(learner: Learner, save_dir: str | Path) -> Path:
+    """Where this learner's checkpoints live: `save_dir`, or `save_dir/<role>` for a policy job or a value job
+    (learner.value_on_separate_ranks): the two jobs save the same versions and must not share directories."""
+    if not learner.cfg.learner.value_on_separate_ranks:
+        return Path(save_dir)
+    return Path(save_dir) / ("policy" if learner.policy is not None else "value")
+
+
+def _raise_on_every_rank(error: str | None) -> None:
+    """Collective: rank 0's verdict reaches every rank, so a refusal never leaves the others in a barrier."""
+    verdict = [error]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise CheckpointError(verdict[0])
+
+
 def save_checkpoint(learner: Learner, save_dir: str | Path, extra: dict[str, Any] | None = None) -> Path:
-    """Collective: every rank calls it. Returns the checkpoint directory."""
+    """Collective: every rank calls it. Returns the checkpoint directory (see role_dir for separate jobs)."""
     from megatron.core import dist_checkpointing
 
-    save_dir = Path(save_dir)
+    save_dir = role_dir(learner, save_dir)
     path = save_dir / f"iter_{learner.version:07d}"
+    error = None
     if dist.get_rank() == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        if any(path.iterdir()):
-            raise CheckpointError(f"{path} already holds a checkpoint; remove it or save at another version")
-    dist.barrier()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            if any(path.iterdir()):
+                error = f"{path} already holds a checkpoint; remove it or save at another version"
+        except OSError as e:
+            error = f"cannot create {path} ({e}); fix learner.save_dir"
+    _raise_on_every_rank(error)
     state = _sharded_state(learner, is_loading=False)
     common = _common_state(learner, extra)
     state[HF_SOURCE_KEY] = common.pop(HF_SOURCE_KEY)  # top level: where tools/convert_megatron_to_hf.py reads it
@@ -174,6 +194,7 @@ def load_pretrained(learner: Learner, path: str | Path) -> None:
             check_hf_source(record, learner.spec, "this learner's model")
         except CheckpointMismatchError as e:
             raise CheckpointError(str(e)) from None
+        learner.hf_source = record
     for role in (learner.policy, learner.value):
         if role is None:
             continue
@@ -247,8 +268,11 @@ def load_checkpoint(learner: Learner, path: str | Path, load_optimizer: bool = T
     returns the `extra` dict. RNG states are restored only at the layout they were saved at."""
     from megatron.core import dist_checkpointing
 
+    if learner.cfg.learner.value_on_separate_ranks and (role_dir(learner, path) / LATEST).is_file():
+        path = role_dir(learner, path)  # the job's own directory under a shared save_dir
     path = resolve_checkpoint(path)
-    common = dist_checkpointing.load_common_state_dict(str(path))["common"]
+    saved = dist_checkpointing.load_common_state_dict(str(path))
+    common = saved["common"]
     _check_compatible(learner, common, path)
     state = _sharded_state(learner, is_loading=True)
     if not load_optimizer:
@@ -268,6 +292,7 @@ def load_checkpoint(learner: Learner, path: str | Path, load_optimizer: bool = T
             role.optimizer.load_state_dict(_chained_optimizer_state(loaded[f"{role.role}_optimizer"], role.optimizer))
             role.scheduler.load_state_dict(common[f"{role.role}_scheduler"])
             role.optimizer_steps = int(common[f"{role.role}_optimizer_steps"])
+    learner.hf_source = saved.get(HF_SOURCE_KEY) or learner.hf_source
     learner.version = int(common["version"])
     learner.trajectories_trained = int(common["trajectories_trained"])
     if learner.running_mean is not None and "running_mean" in common:

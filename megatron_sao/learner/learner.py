@@ -37,7 +37,8 @@ from megatron_sao.learner.packing import MicroBatch, pack_microbatches, plan_mic
 from megatron_sao.learner.roles import RoleModel, build_role
 from megatron_sao.learner.step import policy_update, value_update
 from megatron_sao.models.builder import ModelSpec, transformer_engine_available
-from megatron_sao.models.weights import HFCheckpoint, load_hf_weights
+from megatron_sao.models.checkpoint import hf_source_record
+from megatron_sao.models.weights import TIED_LM_HEAD, HFCheckpoint, load_hf_weights
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +98,9 @@ class Learner:
                 total_steps=learner.max_steps * algo.value.updates_per_policy_step,
                 use_distributed_optimizer=learner.use_distributed_optimizer, seed=learner.seed,
             )  # fmt: skip
-        self.hf_dtypes: dict[str, torch.dtype] = {}
-        """dtypes of the HF tensors the weights came from (recorded in checkpoints for the reverse conversion)."""
+        self.hf_source: dict[str, Any] | None = None
+        """Where the weights came from (models.checkpoint.hf_source_record: HF config, each tensor's HF dtype, tied
+        lm_head), set by every load and written into every checkpoint, so the reverse conversion restores dtypes."""
         self.version = 0
         """Policy weight version: the number of policy optimizer steps taken (engines tag tokens with it)."""
         self.trajectories_trained = 0
@@ -129,7 +131,8 @@ class Learner:
     def load_hf(self, hf_dir: str) -> None:
         """Initialize both models from an HF checkpoint (the value backbone starts from the policy's weights)."""
         hf = HFCheckpoint(hf_dir)
-        self.hf_dtypes = {name: hf.dtype(name) for name in hf.names()}
+        tied_lm_head = self.spec.tie_embeddings and TIED_LM_HEAD in hf.names()
+        self.hf_source = hf_source_record(self.spec, {name: hf.dtype(name) for name in hf.names()}, tied_lm_head)
         for role in (self.policy, self.value):
             if role is not None:
                 load_hf_weights(role.model, self.spec, hf, role=role.role)

@@ -84,3 +84,45 @@ def test_loading_a_checkpoint_of_another_model_is_refused(tmp_path):
 
     with pytest.raises(CheckpointError, match="not a megatron dist checkpoint"):
         resolve_checkpoint(tmp_path)
+
+
+def _hf_source_through_loads(hf_dir: str, root: str) -> dict:
+    from megatron_sao.distributed import destroy_distributed, init_distributed
+    from megatron_sao.learner.checkpoint import CheckpointError, load_checkpoint, load_pretrained, save_checkpoint
+    from megatron_sao.learner.learner import Learner
+    from megatron_sao.models.checkpoint import read_hf_source
+
+    cfg = learner_config(hf_dir, {}, int(os.environ["WORLD_SIZE"]), "bf16")
+    out = {}
+    for how in ("load_hf", "load_checkpoint", "load_pretrained"):
+        init_distributed(cfg.parallel, seed=5)
+        learner = Learner(cfg)
+        if how == "load_hf":
+            learner.load_hf(hf_dir)
+        elif how == "load_checkpoint":
+            load_checkpoint(learner, f"{root}/load_hf")
+        else:
+            load_pretrained(learner, f"{root}/load_hf")
+        path = save_checkpoint(learner, f"{root}/{how}")
+        out[how] = read_hf_source(path)
+        if how == "load_hf":
+            try:  # rank 0 refuses; every rank must raise instead of waiting in a barrier
+                save_checkpoint(learner, f"{root}/{how}")
+            except CheckpointError as e:
+                out["refused"] = str(e)
+        destroy_distributed(keep_process_group=True)
+    return out
+
+
+@pytest.mark.multiproc
+def test_hf_origin_survives_every_load_and_a_refused_save_raises_on_every_rank(tmp_path):
+    from megatron_sao.models.tiny import make_tiny_model
+
+    hf_dir = str(make_tiny_model("glm4_moe", tmp_path / "hf", dtype="bf16", seed=2))
+    per_rank = spawn_ranks(_hf_source_through_loads, 2, hf_dir, str(tmp_path / "ckpt"), timeout_s=300)
+    record = per_rank[0]["load_hf"]
+    assert record["hf_dtype"] == "bfloat16" and record["hf_dtype_exceptions"]  # the fp32 router and its bias
+    for rank in per_rank:
+        assert rank["load_checkpoint"] == record
+        assert rank["load_pretrained"] == record
+        assert "already holds a checkpoint" in rank["refused"]
