@@ -214,3 +214,85 @@ def test_router_spreads_by_outstanding_load_and_fails_over(engine_url: str) -> N
         assert url == engine_url and len(result.output_ids) == 2
     assert router.down() == [dead] and router.stats()[dead]["failures"] == 1
     assert router.check_health() == {dead: False, engine_url: True}
+
+
+class _Dropper(BaseHTTPRequestHandler):
+    """Reads each request, counts it, and closes the connection without an answer (an engine dying mid-request)."""
+
+    protocol_version = "HTTP/1.1"
+    seen: list[str]
+
+    def _drop(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.seen.append(f"{self.command} {self.path}")
+        self.close_connection = True
+
+    do_GET = do_POST = _drop
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_dropped_connection_resends_only_idempotent_calls() -> None:
+    from megatron_sao.rollout import client as C
+
+    seen: list[str] = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), type("D", (_Dropper,), {"seen": seen}))
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    client = SGLangClient(f"http://127.0.0.1:{server.server_address[1]}", retry=RetryPolicy(3, 0.01))
+    try:
+        for call, path in [
+            (lambda: client.generate([1, 2], {"max_new_tokens": 2}), P.GENERATE),
+            (lambda: client.update_weights_from_distributed(["w"], ["float32"], [[2]], group_name="g"),
+             P.UPDATE_WEIGHTS_FROM_DISTRIBUTED),
+        ]:  # fmt: skip
+            seen.clear()
+            with pytest.raises(EngineUnavailable, match="not resent") as e:
+                call()
+            assert seen == [f"POST {path}"]  # the engine may have acted on it: sent once, never again
+            assert isinstance(e.value, C.EngineConnectionLost)
+        seen.clear()
+        with pytest.raises(EngineUnavailable, match="after 3 retries"):
+            client.model_info()  # GET: safe to resend
+        assert seen == [f"GET {P.MODEL_INFO}"] * 4
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_post_is_resent_while_the_connection_is_refused() -> None:
+    port = find_free_port()
+    seen: list[str] = []
+
+    class Ok(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            seen.append(self.path)
+            data = json.dumps({"message": "ok", "status": "ok"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    holder: list[ThreadingHTTPServer] = []
+
+    def start() -> None:
+        holder.append(ThreadingHTTPServer(("127.0.0.1", port), Ok))
+        threading.Thread(target=holder[0].serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    timer = threading.Timer(0.4, start)
+    timer.start()
+    try:
+        SGLangClient(f"http://127.0.0.1:{port}", retry=RetryPolicy(6, 0.1)).pause_generation("in_place")
+        assert seen == [P.PAUSE_GENERATION]  # refused attempts never reached it; the one that did is not repeated
+    finally:
+        timer.join()
+        for s in holder:
+            s.shutdown()
+            s.server_close()
