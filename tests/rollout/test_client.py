@@ -216,6 +216,51 @@ def test_router_spreads_by_outstanding_load_and_fails_over(engine_url: str) -> N
     assert router.check_health() == {dead: False, engine_url: True}
 
 
+class _Failing:
+    """An engine state whose handlers raise: ValueError for /pause_generation, RuntimeError for anything else."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def route(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        self.calls.append(f"{method} {path}")
+        if path == P.PAUSE_GENERATION:
+            raise ValueError(f"pause mode {body.get('mode')!r}")
+        raise RuntimeError("applying the weight update failed")
+
+
+def test_a_handler_that_raises_gets_an_error_answer_and_is_not_resent() -> None:
+    from megatron_sao.rollout import client as C
+    from megatron_sao.rollout.engine.server import make_server
+
+    state = _Failing()
+    server = make_server(state, "127.0.0.1", 0)  # type: ignore[arg-type]
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    client = SGLangClient(f"http://127.0.0.1:{server.server_address[1]}", retry=RetryPolicy(3, 0.01))
+    try:
+        with pytest.raises(EngineError) as e:
+            client.update_weights_from_distributed(["w"], ["float32"], [[2]], group_name="g", weight_version=1)
+        assert e.value.status == 500 and state.calls == [f"POST {P.UPDATE_WEIGHTS_FROM_DISTRIBUTED}"]  # sent once
+        assert e.value.body == {"error": {"message": "RuntimeError: applying the weight update failed"}}
+        assert isinstance(e.value, C.EngineInternalError)
+        with pytest.raises(EngineError) as e:
+            client.pause_generation("sideways")
+        assert e.value.status == 400 and e.value.body == {"error": {"message": "ValueError: pause mode 'sideways'"}}
+        assert isinstance(e.value, C.EngineBadRequest) and "not retried" in str(e.value)
+        assert len(state.calls) == 2
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_embedded_engine_answers_a_bad_control_request_with_400(engine_url: str) -> None:
+    client = SGLangClient(engine_url, retry=RetryPolicy(2, 0.01))
+    with pytest.raises(EngineError) as e:
+        client.pause_generation("sideways")  # the scheduler raises ValueError
+    assert e.value.status == 400 and "ValueError" in e.value.body["error"]["message"]
+    assert client.generate([1, 2], {"max_new_tokens": 2, **GREEDY}).output_ids  # not left paused
+
+
 class _Dropper(BaseHTTPRequestHandler):
     """Reads each request, counts it, and closes the connection without an answer (an engine dying mid-request)."""
 
