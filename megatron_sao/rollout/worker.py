@@ -3,12 +3,12 @@ by rollout/; started by the launch scripts, wired to the bus by the merge: the b
 
 `concurrency` episodes run at a time (threads; each episode is sequential HTTP). Each prompt is rolled out
 `rollouts_per_prompt` times (1 for SAO, G for the GRPO arm; sample_index 0..G-1); the prompt is marked complete in
-the cursor when all of them were pushed (or given up). A turn whose engine dies or times out is re-issued on another
-engine by the router; an episode that still fails (no healthy engine, aborted turn, an engine error 5xx) is re-issued
-from scratch after a back-off, up to `max_attempts` times. Any other exception of an episode (the environment, the
-agent loop, a request the engine refuses) fails that sample only: it is logged with the prompt id and counted in
-`failed`, and the run goes on. Every (prompt, sample) is pushed at most once. A log line with throughput and engine
-health is written every `log_interval_s`.
+the cursor when all of them were pushed (or given up), and the cursor state is saved then. A turn whose engine dies or
+times out is re-issued on another engine by the router; an episode that still fails (no healthy engine, aborted turn,
+an engine error 5xx) is re-issued from scratch after a back-off, up to `max_attempts` times. Any other exception of an
+episode (the environment, the agent loop, a request the engine refuses) fails that sample only: it is logged with the
+prompt id and counted in `failed`, and the run goes on. Every (prompt, sample) is pushed at most once. A log line
+with throughput and engine health is written every `log_interval_s`.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class WorkerConfig:
     max_attempts: int = 3
     retry_backoff_s: float = 1.0
     log_interval_s: float = 30.0
-    state_path: str | None = None  # cursor state, saved at every log interval and at the end
+    state_path: str | None = None  # cursor state, saved whenever a prompt completes, at every log interval, at the end
 
 
 @dataclass
@@ -239,6 +239,7 @@ class RolloutWorker:
             del self._remaining[key]
             self.cursor.complete(key)
             self.metrics.prompts_done += 1
+            self._save_cursor()
 
     def _save_cursor(self) -> None:
         if self.cfg.state_path:

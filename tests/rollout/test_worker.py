@@ -145,6 +145,26 @@ def test_a_backoff_does_not_hold_back_finished_episodes(tmp_path: Path) -> None:
     assert sent_at["q0"] >= 2.0  # the back-off itself is kept
 
 
+def test_a_crashed_worker_repeats_no_completed_prompt(tmp_path: Path) -> None:
+    class Crash(Exception):
+        pass
+
+    class Crashing(InMemorySink):
+        def send(self, traj: Any) -> None:
+            if len(self.items) == 4:
+                raise Crash("the process dies here")
+            super().send(traj)
+
+    worker, _ = make_worker(FlakyEngine(), 10, tmp_path, concurrency=1, log_interval_s=3600.0)
+    worker.sink = first = Crashing()
+    with pytest.raises(Crash):
+        worker.run()  # no status line and no final save: only what was saved along the way survives
+    again, second = make_worker(FlakyEngine(), 10, tmp_path)
+    again.run()
+    done, redone = {t.header.prompt_id for t in first.items}, {t.header.prompt_id for t in second.items}
+    assert done == {f"q{i}" for i in range(4)} and redone == {f"q{i}" for i in range(4, 10)}
+
+
 @pytest.mark.multiproc
 def test_engine_killed_mid_request_the_prompt_is_reissued_and_pushed_once(
     start_engine: Any, tiny_dirs: dict[str, Path], tmp_path: Path
