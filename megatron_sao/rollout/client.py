@@ -2,9 +2,13 @@
 used by agent_loop.py and worker.py for generation, by the weight-sync side for pause / update / continue).
 
 Transport is the standard library (http.client), one connection per call, JSON bodies; nothing is pickled.
-Retries: calls that fail before any response (connection refused / reset: an engine restarting) are retried with
-exponential back-off; a /generate that times out is aborted on the engine (`/abort_request` with its rid) and
-raised as EngineTimeout so the router can re-issue it elsewhere.
+Retries (exponential back-off) only where resending cannot act twice: a call whose connection could not be opened
+(refused: an engine restarting) never reached the engine; an idempotent call (GET, abort, continue, flush) may be
+resent after its connection dropped. A non-idempotent POST (/generate, weight updates, pause) whose connection
+dropped after it was sent raises EngineConnectionLost (the engine may or may not have acted on it). An answer with
+an error status is never resent: EngineBadRequest (4xx), EngineInternalError (5xx). A /generate that times out is
+aborted on the engine (`/abort_request` with its rid) and raised as EngineTimeout so the router can re-issue it
+elsewhere.
 """
 
 from __future__ import annotations
@@ -25,18 +29,51 @@ log = logging.getLogger(__name__)
 
 
 class EngineError(RuntimeError):
-    """An engine answered with an error status (the message carries its body)."""
+    """An engine answered with an error status (the message carries its body). Never resent by the client."""
+
+    note = ""
 
     def __init__(self, url: str, status: int, body: Any) -> None:
-        super().__init__(f"{url}: HTTP {status}: {body}")
+        super().__init__(f"{url}: HTTP {status}{self.note}: {body}")
         self.url, self.status, self.body = url, status, body
 
     def __reduce__(self) -> tuple[Any, ...]:  # keeps it intact across process boundaries (multiprocessing queues)
         return (type(self), (self.url, self.status, self.body))
 
+    @staticmethod
+    def of(url: str, status: int, body: Any) -> EngineError:
+        """The error for an answer with a non-2xx `status`: EngineBadRequest, EngineInternalError or EngineError."""
+        cls = EngineBadRequest if 400 <= status < 500 else EngineInternalError if status >= 500 else EngineError
+        return cls(url, status, body)
+
+
+class EngineBadRequest(EngineError):
+    """HTTP 4xx: the engine refused the request as sent; sending it again cannot succeed (not retryable)."""
+
+    note = " (request refused as sent; not retried)"
+
+
+class EngineInternalError(EngineError):
+    """HTTP 5xx: the engine failed while handling the request (it answered, so the client does not resend it)."""
+
+    note = " (engine failed handling the request; not resent)"
+
 
 class EngineUnavailable(ConnectionError):
     """The engine could not be reached (refused, reset, died mid-request), after the retries."""
+
+
+class EngineConnectionLost(EngineUnavailable):
+    """The connection dropped after a non-idempotent request was sent and before its answer: the engine may or may
+    not have acted on it (generated, applied an update), so it was not resent."""
+
+
+class _NotSent(ConnectionError):
+    """The connection could not be opened: the request surely did not reach the engine."""
+
+
+_LOST = (ConnectionError, http.client.HTTPException)  # reset, broken pipe, closed without (a complete) answer
+_IDEMPOTENT_POSTS = frozenset({P.ABORT_REQUEST, P.CONTINUE_GENERATION, P.FLUSH_CACHE})
 
 
 class EngineTimeout(TimeoutError):
@@ -69,6 +106,10 @@ class SGLangClient:
     def _once(self, method: str, path: str, body: Any, timeout_s: float) -> tuple[int, Any]:
         conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
         try:
+            try:
+                conn.connect()
+            except ConnectionError as e:
+                raise _NotSent(str(e)) from e
             data = None if body is None else json.dumps(body).encode()
             headers = {"Content-Type": "application/json"} if data is not None else {}
             conn.request(method, path, body=data, headers=headers)
@@ -79,19 +120,40 @@ class SGLangClient:
         ctype = resp.getheader("Content-Type", "")
         return resp.status, json.loads(raw) if raw and "json" in ctype else raw.decode(errors="replace")
 
-    def request(self, method: str, path: str, body: Any = None, *, timeout_s: float | None = None) -> Any:
-        """One call with retries on connection failures; EngineError on a non-2xx answer."""
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        timeout_s: float | None = None,
+        idempotent: bool | None = None,
+    ) -> Any:
+        """One call. Resent with back-off when the connection could not be opened, and, for an idempotent call
+        (default: GET and the POSTs in _IDEMPOTENT_POSTS), when it dropped before the answer; a non-idempotent call
+        whose connection dropped raises EngineConnectionLost. EngineUnavailable when the retries ran out; a non-2xx
+        answer raises EngineBadRequest (4xx) / EngineInternalError (5xx) at once."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        if idempotent is None:
+            idempotent = method == "GET" or path in _IDEMPOTENT_POSTS
         for attempt, delay in enumerate([*self.retry.delays(), None]):
             try:
                 status, out = self._once(method, path, body, timeout)
                 break
-            except (ConnectionRefusedError, ConnectionResetError, http.client.RemoteDisconnected) as e:
-                if delay is None:
-                    raise EngineUnavailable(f"{self.url}{path}: {e!r} after {attempt} retries") from e
-                time.sleep(delay)
+            except _NotSent as e:
+                cause: BaseException = e.__cause__ or e
+            except _LOST as e:
+                if not idempotent:
+                    raise EngineConnectionLost(
+                        f"{self.url}{path}: connection lost after the request was sent ({e!r}); the engine may or "
+                        "may not have acted on it, so it was not resent"
+                    ) from e
+                cause = e
+            if delay is None:
+                raise EngineUnavailable(f"{self.url}{path}: {cause!r} after {attempt} retries") from cause
+            time.sleep(delay)
         if not 200 <= status < 300:
-            raise EngineError(self.url, status, out)
+            raise EngineError.of(self.url, status, out)
         return out
 
     # ---- generation ---------------------------------------------------------------------------------------------
@@ -112,8 +174,6 @@ class SGLangClient:
         except TimeoutError as e:
             self._abort_quietly(rid)
             raise EngineTimeout(f"{self.url}: request {rid} exceeded {timeout:.1f}s; aborted it") from e
-        except (http.client.IncompleteRead, BrokenPipeError) as e:
-            raise EngineUnavailable(f"{self.url}: connection lost during request {rid}: {e!r}") from e
         return P.parse_generate_response(out)
 
     def _abort_quietly(self, rid: str) -> None:
@@ -131,7 +191,7 @@ class SGLangClient:
         """True when /health answers 200 (one try, no retries)."""
         try:
             status, _ = self._once("GET", P.HEALTH, None, timeout_s)
-        except OSError:
+        except (OSError, http.client.HTTPException):
             return False
         return status == 200
 

@@ -5,7 +5,8 @@ A record is one JSON object per line with a unique "id" and what its environment
 "prompt" / "question" text, or "input_ids" (token-in/token-out, used as is), plus task fields (e.g. "answer").
 The cursor hands out (key, record) pairs epoch after epoch and remembers which were handed out but not completed;
 `state_dict()` / `save()` capture that, and a cursor loaded from it re-issues the pending prompts first, then
-continues where it stopped, so a restarted worker neither skips nor repeats a completed prompt.
+continues where it stopped, so a restarted worker neither skips a prompt nor repeats one completed in the saved
+state (the worker saves it whenever a prompt completes; docs/rollout.md says what a restart can repeat).
 """
 
 from __future__ import annotations

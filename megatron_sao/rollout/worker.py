@@ -3,15 +3,18 @@ by rollout/; started by the launch scripts, wired to the bus by the merge: the b
 
 `concurrency` episodes run at a time (threads; each episode is sequential HTTP). Each prompt is rolled out
 `rollouts_per_prompt` times (1 for SAO, G for the GRPO arm; sample_index 0..G-1); the prompt is marked complete in
-the cursor when all of them were pushed. A turn whose engine dies or times out is re-issued on another engine by
-the router; an episode that still fails (no healthy engine, aborted turn) is re-issued from scratch, up to
-`max_attempts` times. Every (prompt, sample) is pushed at most once. A log line with throughput and engine health is
-written every `log_interval_s`.
+the cursor when all of them were pushed (or given up), and the cursor state is saved then. A turn whose engine dies or
+times out is re-issued on another engine by the router; an episode that still fails (no healthy engine, aborted turn,
+an engine error 5xx) is re-issued from scratch after a back-off, up to `max_attempts` times. Any other exception of an
+episode (the environment, the agent loop, a request the engine refuses) fails that sample only: it is logged with the
+prompt id and counted in `failed`, and the run goes on. Every (prompt, sample) is pushed at most once. A log line
+with throughput and engine health is written every `log_interval_s`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import logging
 import threading
 import time
@@ -22,12 +25,18 @@ from typing import Any, Protocol
 from megatron_sao.bus.schema import Trajectory
 from megatron_sao.config.tree import SAOConfig
 from megatron_sao.rollout.agent_loop import AgentLoop, EpisodeAborted
-from megatron_sao.rollout.client import EngineRouter, EngineTimeout, EngineUnavailable, NoHealthyEngine
+from megatron_sao.rollout.client import (
+    EngineInternalError,
+    EngineRouter,
+    EngineTimeout,
+    EngineUnavailable,
+    NoHealthyEngine,
+)
 from megatron_sao.rollout.prompts import PromptCursor
 
 log = logging.getLogger(__name__)
 
-RETRYABLE = (NoHealthyEngine, EpisodeAborted, EngineUnavailable, EngineTimeout)
+RETRYABLE = (NoHealthyEngine, EpisodeAborted, EngineUnavailable, EngineTimeout, EngineInternalError)
 
 
 class TrajectorySink(Protocol):
@@ -54,7 +63,7 @@ class WorkerConfig:
     max_attempts: int = 3
     retry_backoff_s: float = 1.0
     log_interval_s: float = 30.0
-    state_path: str | None = None  # cursor state, saved at every log interval and at the end
+    state_path: str | None = None  # cursor state, saved whenever a prompt completes, at every log interval, at the end
 
 
 @dataclass
@@ -63,6 +72,7 @@ class _Task:
     record: dict[str, Any]
     sample_index: int
     attempt: int = 1
+    not_before: float = 0.0  # monotonic time before which a re-issued task is not started (back-off)
 
 
 @dataclass
@@ -103,6 +113,9 @@ class RolloutWorker:
         self._lock = threading.Lock()
         self._sent: set[tuple[str, int]] = set()
         self._remaining: dict[str, int] = {}  # prompt key -> samples not pushed yet
+        self._backoff: list[_Task] = []  # re-issued tasks waiting out their back-off (never slept on the run thread)
+        self._health_pool: cf.ThreadPoolExecutor | None = None  # engine probes, off the run thread
+        self._probe: cf.Future[dict[str, bool]] | None = None
         if cfg.state_path:
             cursor.load(cfg.state_path)
 
@@ -110,11 +123,20 @@ class RolloutWorker:
         """Roll out until the cursor is exhausted, `max_prompts` prompts were taken, or `stop` is set."""
         stop = stop or threading.Event()
         queue: list[_Task] = []
+        self._backoff = []
         taken = 0
         next_log = time.monotonic() + self.cfg.log_interval_s
-        with cf.ThreadPoolExecutor(self.cfg.concurrency, thread_name_prefix=self.cfg.worker_id) as pool:
+        with (
+            cf.ThreadPoolExecutor(self.cfg.concurrency, thread_name_prefix=self.cfg.worker_id) as pool,
+            cf.ThreadPoolExecutor(1, thread_name_prefix=f"{self.cfg.worker_id}-health") as self._health_pool,
+        ):
             running: dict[cf.Future[Trajectory], _Task] = {}
             while not stop.is_set():
+                now = time.monotonic()
+                due = [t for t in self._backoff if t.not_before <= now]
+                if due:
+                    self._backoff = [t for t in self._backoff if t.not_before > now]
+                    queue[:0] = due
                 while len(running) < self.cfg.concurrency:
                     if not queue and (max_prompts is None or taken < max_prompts) and self._refill(queue):
                         taken += 1
@@ -122,16 +144,22 @@ class RolloutWorker:
                         break
                     task = queue.pop(0)
                     running[pool.submit(self._episode, task)] = task
-                if not running:
+                if not running and not self._backoff:
                     break
-                done, _ = cf.wait(running, timeout=1.0, return_when=cf.FIRST_COMPLETED)
-                for fut in done:
-                    self._collect(fut, running.pop(fut), queue)
+                wake = min((t.not_before for t in self._backoff), default=now + 1.0)
+                timeout = min(max(wake - time.monotonic(), 0.0), 1.0)
+                if running:
+                    done, _ = cf.wait(running, timeout=timeout, return_when=cf.FIRST_COMPLETED)
+                    for fut in done:
+                        self._collect(fut, running.pop(fut))
+                else:
+                    stop.wait(timeout)
                 if time.monotonic() >= next_log:
                     self.log_status()
                     next_log = time.monotonic() + self.cfg.log_interval_s
             for fut in cf.as_completed(running):  # stop requested: finish what is in flight
-                self._collect(fut, running[fut], [])
+                self._collect(fut, running[fut])
+        self._health_pool = None
         self.log_status()
         return self.status()
 
@@ -147,11 +175,23 @@ class RolloutWorker:
     def _episode(self, task: _Task) -> Trajectory:
         return self.loop.run(task.record, worker_id=self.cfg.worker_id, sample_index=task.sample_index)
 
-    def _collect(self, fut: cf.Future[Trajectory], task: _Task, queue: list[_Task]) -> None:
+    def _collect(self, fut: cf.Future[Trajectory], task: _Task) -> None:
         try:
             traj = fut.result()
         except RETRYABLE as e:
-            self._retry(task, queue, e)
+            self._retry(task, e)
+            return
+        except Exception as e:  # this sample only: a bad prompt, an environment / agent-loop bug, a refused request
+            log.error(
+                "prompt %s (%s) sample %d failed, not retried: %r",
+                task.record.get("id"),
+                task.key,
+                task.sample_index,
+                e,
+                exc_info=e,
+            )
+            self.metrics.failed += 1
+            self._sample_finished(task.key)
             return
         ident = (task.key, task.sample_index)
         with self._lock:
@@ -165,20 +205,33 @@ class RolloutWorker:
         m.reward_sum += traj.header.reward
         self._sample_finished(task.key)
 
-    def _retry(self, task: _Task, queue: list[_Task], error: BaseException) -> None:
+    def _retry(self, task: _Task, error: BaseException) -> None:
+        """Re-issue `task` once its back-off has passed (the run loop starts it; nothing sleeps here)."""
+        pid = task.record.get("id")
         if task.attempt >= self.cfg.max_attempts:
             log.error(
-                "prompt %s sample %d failed %d times, giving up: %r", task.key, task.sample_index, task.attempt, error
+                "prompt %s (%s) sample %d failed %d times, giving up: %r",
+                *(pid, task.key, task.sample_index, task.attempt, error),
             )
             self.metrics.failed += 1
             self._sample_finished(task.key)
             return
-        log.warning("re-issuing prompt %s sample %d (attempt %d): %r", task.key, task.sample_index, task.attempt, error)
+        log.warning(
+            "re-issuing prompt %s (%s) sample %d (attempt %d): %r",
+            *(pid, task.key, task.sample_index, task.attempt, error),
+        )
         self.metrics.reissued += 1
-        if self.router is not None:
-            self.router.check_health()
-        time.sleep(self.cfg.retry_backoff_s * task.attempt)
-        queue.insert(0, _Task(task.key, task.record, task.sample_index, task.attempt + 1))
+        self._probe_engines()
+        again = _Task(task.key, task.record, task.sample_index, task.attempt + 1)
+        again.not_before = time.monotonic() + self.cfg.retry_backoff_s * task.attempt
+        self._backoff.append(again)
+
+    def _probe_engines(self) -> None:
+        """Probe the engines (takes back those up again) on the health thread, one probe at a time."""
+        if self.router is None or self._health_pool is None or (self._probe is not None and not self._probe.done()):
+            return
+        with contextlib.suppress(RuntimeError):  # the run is ending (pool shut down)
+            self._probe = self._health_pool.submit(self.router.check_health)
 
     def _sample_finished(self, key: str) -> None:
         self._remaining[key] -= 1
@@ -186,6 +239,12 @@ class RolloutWorker:
             del self._remaining[key]
             self.cursor.complete(key)
             self.metrics.prompts_done += 1
+            self._save_cursor()
+
+    def _save_cursor(self) -> None:
+        if self.cfg.state_path:
+            Path(self.cfg.state_path).parent.mkdir(parents=True, exist_ok=True)
+            self.cursor.save(self.cfg.state_path)
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = self.metrics.snapshot()
@@ -210,9 +269,7 @@ class RolloutWorker:
             s["failed"],
             health or "n/a",
         )
-        if self.cfg.state_path:
-            Path(self.cfg.state_path).parent.mkdir(parents=True, exist_ok=True)
-            self.cursor.save(self.cfg.state_path)
+        self._save_cursor()
 
 
 def worker_from_config(cfg: SAOConfig, sink: TrajectorySink, engine_urls: list[str]) -> RolloutWorker:

@@ -214,3 +214,130 @@ def test_router_spreads_by_outstanding_load_and_fails_over(engine_url: str) -> N
         assert url == engine_url and len(result.output_ids) == 2
     assert router.down() == [dead] and router.stats()[dead]["failures"] == 1
     assert router.check_health() == {dead: False, engine_url: True}
+
+
+class _Failing:
+    """An engine state whose handlers raise: ValueError for /pause_generation, RuntimeError for anything else."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def route(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        self.calls.append(f"{method} {path}")
+        if path == P.PAUSE_GENERATION:
+            raise ValueError(f"pause mode {body.get('mode')!r}")
+        raise RuntimeError("applying the weight update failed")
+
+
+def test_a_handler_that_raises_gets_an_error_answer_and_is_not_resent() -> None:
+    from megatron_sao.rollout import client as C
+    from megatron_sao.rollout.engine.server import make_server
+
+    state = _Failing()
+    server = make_server(state, "127.0.0.1", 0)  # type: ignore[arg-type]
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    client = SGLangClient(f"http://127.0.0.1:{server.server_address[1]}", retry=RetryPolicy(3, 0.01))
+    try:
+        with pytest.raises(EngineError) as e:
+            client.update_weights_from_distributed(["w"], ["float32"], [[2]], group_name="g", weight_version=1)
+        assert e.value.status == 500 and state.calls == [f"POST {P.UPDATE_WEIGHTS_FROM_DISTRIBUTED}"]  # sent once
+        assert e.value.body == {"error": {"message": "RuntimeError: applying the weight update failed"}}
+        assert isinstance(e.value, C.EngineInternalError)
+        with pytest.raises(EngineError) as e:
+            client.pause_generation("sideways")
+        assert e.value.status == 400 and e.value.body == {"error": {"message": "ValueError: pause mode 'sideways'"}}
+        assert isinstance(e.value, C.EngineBadRequest) and "not retried" in str(e.value)
+        assert len(state.calls) == 2
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_embedded_engine_answers_a_bad_control_request_with_400(engine_url: str) -> None:
+    client = SGLangClient(engine_url, retry=RetryPolicy(2, 0.01))
+    with pytest.raises(EngineError) as e:
+        client.pause_generation("sideways")  # the scheduler raises ValueError
+    assert e.value.status == 400 and "ValueError" in e.value.body["error"]["message"]
+    assert client.generate([1, 2], {"max_new_tokens": 2, **GREEDY}).output_ids  # not left paused
+
+
+class _Dropper(BaseHTTPRequestHandler):
+    """Reads each request, counts it, and closes the connection without an answer (an engine dying mid-request)."""
+
+    protocol_version = "HTTP/1.1"
+    seen: list[str]
+
+    def _drop(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.seen.append(f"{self.command} {self.path}")
+        self.close_connection = True
+
+    do_GET = do_POST = _drop
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_dropped_connection_resends_only_idempotent_calls() -> None:
+    from megatron_sao.rollout import client as C
+
+    seen: list[str] = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), type("D", (_Dropper,), {"seen": seen}))
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    client = SGLangClient(f"http://127.0.0.1:{server.server_address[1]}", retry=RetryPolicy(3, 0.01))
+    try:
+        for call, path in [
+            (lambda: client.generate([1, 2], {"max_new_tokens": 2}), P.GENERATE),
+            (lambda: client.update_weights_from_distributed(["w"], ["float32"], [[2]], group_name="g"),
+             P.UPDATE_WEIGHTS_FROM_DISTRIBUTED),
+        ]:  # fmt: skip
+            seen.clear()
+            with pytest.raises(EngineUnavailable, match="not resent") as e:
+                call()
+            assert seen == [f"POST {path}"]  # the engine may have acted on it: sent once, never again
+            assert isinstance(e.value, C.EngineConnectionLost)
+        seen.clear()
+        with pytest.raises(EngineUnavailable, match="after 3 retries"):
+            client.model_info()  # GET: safe to resend
+        assert seen == [f"GET {P.MODEL_INFO}"] * 4
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_post_is_resent_while_the_connection_is_refused() -> None:
+    port = find_free_port()
+    seen: list[str] = []
+
+    class Ok(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            seen.append(self.path)
+            data = json.dumps({"message": "ok", "status": "ok"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    holder: list[ThreadingHTTPServer] = []
+
+    def start() -> None:
+        holder.append(ThreadingHTTPServer(("127.0.0.1", port), Ok))
+        threading.Thread(target=holder[0].serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    timer = threading.Timer(0.4, start)
+    timer.start()
+    try:
+        SGLangClient(f"http://127.0.0.1:{port}", retry=RetryPolicy(6, 0.1)).pause_generation("in_place")
+        assert seen == [P.PAUSE_GENERATION]  # refused attempts never reached it; the one that did is not repeated
+    finally:
+        timer.join()
+        for s in holder:
+            s.shutdown()
+            s.server_close()

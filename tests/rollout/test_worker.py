@@ -11,7 +11,7 @@ import pytest
 
 from megatron_sao.models.tiny import build_tiny_tokenizer
 from megatron_sao.rollout.agent_loop import AgentLoop, AgentLoopConfig, ChatTemplateCodec
-from megatron_sao.rollout.client import EngineRouter, NoHealthyEngine, RetryPolicy, SGLangClient
+from megatron_sao.rollout.client import EngineError, EngineRouter, NoHealthyEngine, RetryPolicy, SGLangClient
 from megatron_sao.rollout.envs import make_env
 from megatron_sao.rollout.prompts import PromptCursor
 from megatron_sao.rollout.protocol import GenerateResult
@@ -94,6 +94,75 @@ def test_a_restarted_worker_continues_where_the_cursor_stopped(tmp_path: Path) -
     again.run()
     first, second = {t.header.prompt_id for t in sink.items}, {t.header.prompt_id for t in sink2.items}
     assert len(first) == 4 and first.isdisjoint(second) and first | second == {f"q{i}" for i in range(10)}
+
+
+def test_a_failing_episode_is_counted_and_the_run_goes_on(tmp_path: Path) -> None:
+    from megatron_sao.rollout import client as C
+
+    failed_500: list[str] = []
+
+    class Broken(FlakyEngine):
+        def __call__(self, input_ids: list[int], sampling: dict[str, Any]) -> tuple[GenerateResult, str]:
+            text = TOK.decode(input_ids)
+            if "number 2?" in text:
+                raise KeyError("an agent-loop / environment bug")
+            if "number 5?" in text:
+                raise EngineError("fake", 400, {"error": {"message": "ValueError: bad prompt"}})
+            if "number 7?" in text and not failed_500:
+                failed_500.append(text)
+                raise C.EngineError.of("fake", 500, {"error": {"message": "RuntimeError: oops"}})
+            time.sleep(0.01)
+            return super().__call__(input_ids, sampling)
+
+    worker, sink = make_worker(Broken(), 10, tmp_path)
+    status = worker.run()
+    assert sorted(t.header.prompt_id for t in sink.items) == sorted(f"q{i}" for i in range(10) if i not in (2, 5))
+    assert status["failed"] == 2  # not retried: sending them again cannot help
+    assert status["reissued"] == 1  # the engine's 5xx: the episode is started again
+    assert worker.cursor.state_dict()["completed"] == 10 and not worker.cursor.state_dict()["pending"]
+
+
+def test_a_backoff_does_not_hold_back_finished_episodes(tmp_path: Path) -> None:
+    sent_at: dict[str, float] = {}
+
+    class Slow(FlakyEngine):
+        def __call__(self, input_ids: list[int], sampling: dict[str, Any]) -> tuple[GenerateResult, str]:
+            if "number 1?" in TOK.decode(input_ids):
+                time.sleep(0.2)
+            return super().__call__(input_ids, sampling)
+
+    class Clock(InMemorySink):
+        def send(self, traj: Any) -> None:
+            sent_at[traj.header.prompt_id] = time.monotonic() - t0
+            super().send(traj)
+
+    worker, _ = make_worker(Slow(fail_once={"number 0?"}), 2, tmp_path, concurrency=2, retry_backoff_s=2.0)
+    worker.sink = Clock()
+    t0 = time.monotonic()
+    status = worker.run()
+    assert status["reissued"] == 1 and status["trajectories"] == 2
+    assert sent_at["q1"] < 1.0  # sent when it finished, not after q0's back-off
+    assert sent_at["q0"] >= 2.0  # the back-off itself is kept
+
+
+def test_a_crashed_worker_repeats_no_completed_prompt(tmp_path: Path) -> None:
+    class Crash(Exception):
+        pass
+
+    class Crashing(InMemorySink):
+        def send(self, traj: Any) -> None:
+            if len(self.items) == 4:
+                raise Crash("the process dies here")
+            super().send(traj)
+
+    worker, _ = make_worker(FlakyEngine(), 10, tmp_path, concurrency=1, log_interval_s=3600.0)
+    worker.sink = first = Crashing()
+    with pytest.raises(Crash):
+        worker.run()  # no status line and no final save: only what was saved along the way survives
+    again, second = make_worker(FlakyEngine(), 10, tmp_path)
+    again.run()
+    done, redone = {t.header.prompt_id for t in first.items}, {t.header.prompt_id for t in second.items}
+    assert done == {f"q{i}" for i in range(4)} and redone == {f"q{i}" for i in range(4, 10)}
 
 
 @pytest.mark.multiproc

@@ -4,7 +4,9 @@ CPU (owned by engine/; started by `python -m megatron_sao engine`, see main(); s
 Endpoints (paths and bodies as in SGLang 0.5.23, see protocol.py and docs/rollout.md): /generate, /health,
 /health_generate, /model_info, /get_model_info, /get_weight_version, /server_info, /pause_generation,
 /continue_generation, /flush_cache, /abort_request, /init_weights_update_group, /destroy_weights_update_group,
-/update_weights_from_distributed. Errors answer HTTP 400 with `{"error": {"message": ...}}` like SGLang.
+/update_weights_from_distributed. Every request gets an answer: a request the engine cannot serve as sent
+(ValueError) gets HTTP 400 and any other failure of a handler HTTP 500, both with SGLang's error body
+`{"error": {"message": "<ErrorType>: ..."}}`; the weight endpoints answer 400 `{"success": false, "message"}` as SGLang.
 """
 
 from __future__ import annotations
@@ -103,6 +105,11 @@ class EngineState:
         return f"Succeeded to update {len(update.tensors)} tensors in place.{suffix}"
 
 
+def _error_body(e: BaseException) -> dict[str, Any]:
+    """SGLang's error body of the native API (`{"error": {"message": ...}}`), the message naming the error type."""
+    return {"error": {"message": f"{type(e).__name__}: {e}"}}
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     state: EngineState  # set on the subclass made by make_server
@@ -118,7 +125,13 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(400, {"error": {"message": f"invalid JSON body: {e}"}})
             return
         path = urlparse(self.path).path
-        status, out = self.state.route(method, path, body)
+        try:
+            status, out = self.state.route(method, path, body)
+        except ValueError as e:  # a request the engine cannot serve as sent (SGLang answers these with a 400 too)
+            status, out = 400, _error_body(e)
+        except Exception as e:  # always an answer: a dropped connection would make the client guess the outcome
+            log.exception("%s %s failed", method, path)
+            status, out = 500, _error_body(e)
         self._reply(status, out)
 
     def _reply(self, status: int, out: Any) -> None:
