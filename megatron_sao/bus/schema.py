@@ -122,7 +122,7 @@ class Trajectory:
     def check_shapes(self) -> None:
         """The cheap part of validate() (no pass over the arrays): schema version; trajectory_id non-empty, ids at
         most MAX_ID_CHARS; dtype, rank and length of each array; prompt_len and the turn ranges ordered inside
-        [0, T); finite rewards. Raises ValueError."""
+        [0, T); finite rewards, each with action tokens to score. Raises ValueError."""
         self._check_header()
         self._check_arrays()
 
@@ -158,7 +158,11 @@ class Trajectory:
                 raise ValueError(f"turns[{i}] ranges {t} are not ordered inside [{prev_end}, {h.num_tokens}]")
             if t.reward is not None and not math.isfinite(t.reward):
                 raise ValueError(f"turns[{i}].reward {t.reward} is not finite")
+            if t.reward and t.action_start == t.action_end:
+                raise ValueError(f"turns[{i}] has reward {t.reward} but no action tokens to put it on")
             prev_end = t.observation_end
+        if h.reward and all(t.action_start == t.action_end for t in h.turns):
+            raise ValueError(f"reward {h.reward} but no action tokens to put it on (rewards score generated tokens)")
 
     def _validate_values(self) -> int | None:
         """Runs after the header checks (turn ranges ordered and disjoint); returns the oldest version.

@@ -115,3 +115,30 @@ def test_synthetic_trajectories_are_valid_and_report_their_oldest_version() -> N
         t = traj(n, n, version=7)
         t.validate()
         assert t.oldest_version() == 7
+
+
+def test_a_reward_needs_action_tokens_to_score() -> None:
+    """A reward on a turn without generated tokens (or a terminal reward on an episode without any) has no token
+    to sit on; the learner could not place it, so the trajectory is refused at the bus, not mid-step."""
+    t = traj(5, 64)
+    first, second, *rest = t.header.turns
+    no_action = t.action_mask.copy()
+    no_action[second.action_start : second.action_end] = False
+
+    def with_second(reward: float | None) -> Trajectory:
+        empty = Turn(second.action_start, second.action_start, second.observation_end, reward)
+        header = msgspec.structs.replace(t.header, turns=(first, empty, *rest))
+        return Trajectory(header, t.tokens, t.rollout_logprobs, no_action, t.weight_versions)
+
+    with_second(None).validate()  # the empty turn itself is fine
+    with_second(0.0).validate()
+    with pytest.raises(ValueError, match=r"turns\[1\] has reward 0.5 but no action tokens"):
+        with_second(0.5).validate()
+
+    nothing = np.zeros_like(t.action_mask)
+    empty_turns = tuple(Turn(x.action_start, x.action_start, x.observation_end) for x in t.header.turns)
+    silent = msgspec.structs.replace(t.header, turns=empty_turns, reward=0.0)
+    Trajectory(silent, t.tokens, t.rollout_logprobs, nothing, t.weight_versions).validate()
+    rewarded = msgspec.structs.replace(silent, reward=1.0)
+    with pytest.raises(ValueError, match="reward 1.0 but no action tokens"):
+        Trajectory(rewarded, t.tokens, t.rollout_logprobs, nothing, t.weight_versions).validate()
