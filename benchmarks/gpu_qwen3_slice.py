@@ -15,6 +15,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -40,20 +41,29 @@ QWEN3_30B_A3B = dict(  # config.json of Qwen/Qwen3-30B-A3B, except num_hidden_la
 )
 
 
-def flops_per_token(hf: dict, seq: int) -> float:
-    """Training FLOPs per token (forward + backward = 3x forward) with active experts only."""
+def forward_flops_per_token(hf: dict, seq: int) -> tuple[float, float]:
+    """Forward FLOPs per token of the transformer layers (active experts only) and of the LM head's logits."""
     h, layers = hf["hidden_size"], hf["num_hidden_layers"]
     q = hf["num_attention_heads"] * hf["head_dim"]
     kv = hf["num_key_value_heads"] * hf["head_dim"]
     attn_proj = h * q + 2 * h * kv + q * h
     attn_scores = q * seq  # QK^T and PV: 2 * q * seq / 2 (causal) multiply-adds
     experts = hf["num_experts_per_tok"] * 3 * h * hf["moe_intermediate_size"] + h * hf["num_experts"]
-    per_layer = attn_proj + attn_scores + experts
-    logits = h * hf["vocab_size"]
-    return 3 * 2 * (layers * per_layer + logits)
+    return 2 * layers * (attn_proj + attn_scores + experts), 2 * h * hf["vocab_size"]
 
 
-def main() -> None:
+def step_flops_per_token(hf: dict, seq: int, value_updates: int | None) -> float:
+    """Model FLOPs per token (backward = 2x forward). None: one policy forward+backward. Otherwise a SAO step:
+    the critic's forward for the old values, `value_updates` critic forward+backward passes (a scalar head, no
+    logits; frozen attention still counted, as model FLOPs are), and the policy's forward+backward with logits."""
+    layers, logits = forward_flops_per_token(hf, seq)
+    policy = 3 * (layers + logits)
+    if value_updates is None:
+        return policy
+    return policy + layers + value_updates * 3 * layers
+
+
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq", type=int, default=4096, help="tokens per trajectory")
@@ -63,20 +73,9 @@ def main() -> None:
     p.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak of the device (H200: 989)")
     p.add_argument("--cpu-smoke", action="store_true", help="scaled-down widths on CPU, to check the code path")
     args = p.parse_args()
-
-    from megatron_sao.config import load_config
-    from megatron_sao.distributed import init_distributed
-    from megatron_sao.learner.batch import make_step_batch
-    from megatron_sao.learner.forward import run_microbatches, token_logprobs
-    from megatron_sao.learner.learner import Learner
-    from megatron_sao.learner.synthetic import make_trajectory
-    from megatron_sao.models.builder import ModelSpec, transformer_engine_available
-    from megatron_sao.models.families import get_family
-
-    hf = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
-    dtype = "bf16"
+    args.hf = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
     if args.cpu_smoke:
-        hf.update(
+        args.hf.update(
             hidden_size=128,
             intermediate_size=256,
             moe_intermediate_size=64,
@@ -88,6 +87,39 @@ def main() -> None:
             vocab_size=4096,
         )
         args.seq, args.trajectories, args.microbatch_tokens, args.repeats = 256, 4, 512, 1
+    return args
+
+
+def median_seconds(fn: Callable[[], None], repeats: int) -> float:
+    """Median wall time of `fn` after one warm-up call, synchronizing the GPU around each call."""
+
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    args = parse_args()
+    from megatron_sao.config import load_config
+    from megatron_sao.distributed import init_distributed
+    from megatron_sao.learner.batch import make_step_batch
+    from megatron_sao.learner.forward import run_microbatches, token_logprobs
+    from megatron_sao.learner.learner import Learner
+    from megatron_sao.learner.synthetic import make_trajectory
+    from megatron_sao.models.builder import ModelSpec, transformer_engine_available
+    from megatron_sao.models.families import get_family
+
+    hf, dtype = args.hf, "bf16"
     cfg = load_config(
         None,
         ["--model.dtype", dtype, "--model.max_seq_len", str(max(args.seq, 4096)),
@@ -107,10 +139,6 @@ def main() -> None:
     mbs = learner._microbatches(batch)
     tokens = sum(int(t.numel()) for t in batch.tokens)
 
-    def sync() -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-
     def plain() -> None:
         def loss_fn(mb, output):
             logp = token_logprobs(output.reshape(mb.seq_len, -1), mb.targets(), 1.0, hf["vocab_size"])
@@ -120,24 +148,12 @@ def main() -> None:
         learner.policy.zero_grad()
         run_microbatches(learner.policy.ddp, mbs, loss_fn, forward_only=False)
 
-    def sao() -> None:
-        learner.train_step(trajectories)
-
-    fpt = flops_per_token(hf, args.seq)
-    for name, fn, passes in (
-        ("plain_fwd_bwd", plain, 1),
-        ("sao_step", sao, 1 + cfg.algo.value.updates_per_policy_step),
+    for name, fn, value_updates in (
+        ("plain_fwd_bwd", plain, None),
+        ("sao_step", lambda: learner.train_step(trajectories), cfg.algo.value.updates_per_policy_step),
     ):
-        fn()  # warm-up
-        sync()
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times.append(time.perf_counter() - t0)
-        t = statistics.median(times)
-        achieved = passes * fpt * tokens / t / 1e12
+        t = median_seconds(fn, args.repeats)
+        achieved = step_flops_per_token(hf, args.seq, value_updates) * tokens / t / 1e12
         print(json.dumps({
             "measurement": name, "device": str(ctx.device), "te": transformer_engine_available(),
             "layers": args.layers, "hidden": hf["hidden_size"], "experts": hf["num_experts"], "dtype": dtype,
