@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("qwen3_moe", "glm4_moe", "glm_moe_dsa")
+from megatron_sao.models.families import FAMILIES as REGISTRY
+
+FAMILIES = tuple(REGISTRY)
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",

@@ -161,3 +161,14 @@ def test_partial_role_override_keeps_the_role_defaults():
     assert cfg.learner.value.lr == 1e-3 and cfg.learner.value.warmup_steps == 10
     assert "*.self_attention.*" in cfg.learner.value.frozen and "output_layer.*" in cfg.learner.value.trainable
     assert cfg.learner.policy.lr == 1e-6 and cfg.learner.policy.warmup_steps == 5
+
+
+def test_model_family_choices_are_the_registry() -> None:
+    """config/model.py spells the family names as a Literal (the config stays import-light); they must be
+    exactly the families models/families registers."""
+    from typing import get_args
+
+    from megatron_sao.config.model import ModelFamily
+    from megatron_sao.models.families import FAMILIES
+
+    assert set(get_args(ModelFamily)) == set(FAMILIES)
