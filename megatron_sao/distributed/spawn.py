@@ -12,6 +12,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import socket
 import sys
 import tempfile
@@ -156,6 +157,8 @@ def spawn_ranks(
             if p.is_alive():
                 p.kill()
             p.join(timeout=10)
+        results.close()
+        shutil.rmtree(logdir, ignore_errors=True)  # a failure's RankFailure already carries the output tails
 
 
 def _collect(procs: list[Any], results: Any, release: Any, logdir: Path, timeout_s: float) -> list[Any]:

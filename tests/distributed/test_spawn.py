@@ -38,17 +38,28 @@ def _hang_on_rank_zero() -> None:
         time.sleep(60)
 
 
+@pytest.fixture
+def rank_logs_under(tmp_path, monkeypatch):
+    """The spawner's per-rank log directories go under tmp_path (tempfile's default dir), to see them removed."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
 @pytest.mark.multiproc
-def test_spawned_ranks_form_a_gloo_group_with_one_thread_each():
+def test_spawned_ranks_form_a_gloo_group_with_one_thread_each(rank_logs_under):
     assert spawn_ranks(_all_reduce_rank, 2, timeout_s=60) == [(0, 3, 1), (1, 3, 1)]
+    assert not list(rank_logs_under.glob("sao_ranks_*"))
 
 
 @pytest.mark.multiproc
-def test_a_failing_rank_is_reported_with_its_traceback_and_output():
+def test_a_failing_rank_is_reported_with_its_traceback_and_output(rank_logs_under):
     with pytest.raises(RankFailure) as e:
         spawn_ranks(_fail_on_rank_one, 2, timeout_s=60)
     msg = str(e.value)
     assert "rank 1 of 2 failed" in msg and "ValueError: boom on purpose" in msg and "hello from 1" in msg
+    assert not list(rank_logs_under.glob("sao_ranks_*"))  # the message carries the output; no files are left
 
 
 @pytest.mark.multiproc
