@@ -84,7 +84,11 @@ class ReceiverIO:
         self.book = CreditBook(cfg.recv_queue_size, cfg.max_inflight)
         self._to_ack: dict[bytes, Session] = {}
         self.ctx = zmq.Context()
-        self._auth = auth.start_server_auth(self.ctx, cfg)
+        try:
+            self._auth = auth.start_server_auth(self.ctx, cfg)
+        except BaseException:
+            self.ctx.term()  # nothing else was created yet
+            raise
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # replies to vanished peers fail loudly (EHOSTUNREACH)
         self.router.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)  # libzmq drops larger frames unallocated

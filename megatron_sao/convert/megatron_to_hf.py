@@ -253,10 +253,12 @@ class _ShardWriter:
         self.buffer: dict[str, torch.Tensor] = {}
         self.size = self.total = 0
         self.shards: list[list[str]] = []
+        self.written: set[str] = set()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self.buffer or any(name in s for s in self.shards):
+        if name in self.written:
             raise AssertionError(f"HF tensor {name} produced twice")
+        self.written.add(name)
         nbytes = tensor.numel() * tensor.element_size()
         if self.buffer and self.size + nbytes > self.max_bytes:
             self._flush()

@@ -30,7 +30,6 @@ from megatron_sao.models.builder import ModelSpec
 from megatron_sao.models.mapping import canonical_suffix
 
 POLICY_PREFIX = "policy."
-VALUE_PREFIX = "value."
 PASSTHROUGH_PREFIX = "passthrough."
 HF_SOURCE_KEY = "hf_source"
 FORMAT_VERSION = 1

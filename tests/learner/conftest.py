@@ -1,3 +1,5 @@
+"""Fixtures of the learner tests: tiny random HF models of each family, made once per session."""
+
 from __future__ import annotations
 
 import pytest
