@@ -151,3 +151,29 @@ def test_untrainable_trajectories_are_dropped_and_counted_not_fatal(tiny_hf_dir)
     metrics = spawn_ranks(_step_with_bad_trajectories, 1, hf_dir, [good, out_of_vocab, nan_logprob], timeout_s=200)[0]
     assert metrics["step/invalid_trajectories"] == 2.0
     assert metrics["step/trajectories"] == 1.0 and metrics["step/version"] == 1.0
+
+
+def _router_after_one_step(hf_dir: str, trajectories, coeff: float) -> dict:
+    from megatron_sao.distributed import init_distributed
+    from megatron_sao.learner.learner import Learner
+
+    cfg = learner_config(hf_dir, {}, 1)
+    cfg.learner.moe_aux_loss_coeff = coeff
+    init_distributed(cfg.parallel)
+    learner = Learner(cfg)
+    learner.load_hf(hf_dir)
+    metrics = learner.train_step(trajectories)
+    routers = {n: p.detach().clone() for n, p in learner.policy.model.named_parameters() if ".router." in n}
+    return {"metrics": metrics, "routers": routers}
+
+
+@pytest.mark.multiproc
+def test_moe_auxiliary_loss_enters_the_policy_gradient_and_is_logged(tiny_hf_dir):
+    hf_dir = str(tiny_hf_dir("qwen3_moe"))
+    trajectories = on_policy(make_batch(4, seed=21), hf_dir)
+    off = spawn_ranks(_router_after_one_step, 1, hf_dir, trajectories, 0.0, timeout_s=200)[0]
+    on = spawn_ranks(_router_after_one_step, 1, hf_dir, trajectories, 1.0, timeout_s=200)[0]
+    assert not any(k.startswith("moe/") for k in off["metrics"])
+    assert on["metrics"]["moe/load_balancing_loss"] > 0.0
+    moved = max(float((on["routers"][n] - off["routers"][n]).abs().max()) for n in off["routers"])
+    assert moved > 1e-6, "the auxiliary loss did not change the router update"
