@@ -32,7 +32,7 @@ from megatron_sao.config.parallel import ParallelConfig
 from megatron_sao.config.tree import SAOConfig
 from megatron_sao.learner.batch import StepBatch, check_trainable, make_step_batch, select, shard_for_data_parallel
 from megatron_sao.learner.forward import collect_values
-from megatron_sao.learner.metrics import all_reduce_scalar, explained_variance, reduce_metrics
+from megatron_sao.learner.metrics import all_reduce_scalar, explained_variance, holds_outputs, reduce_metrics
 from megatron_sao.learner.packing import MicroBatch, pack_microbatches, plan_microbatches
 from megatron_sao.learner.roles import RoleModel, build_role
 from megatron_sao.learner.step import policy_update, value_update
@@ -53,7 +53,7 @@ class StepPlan:
     mbs: list[MicroBatch]
     metrics: dict[str, float]
     sequence_advantages: torch.Tensor | None  # critic-free arms: [num_trajectories]
-    holds_outputs: bool  # last pipeline stage, TP rank 0: the loss functions' values live here
+    holds_outputs: bool  # metrics.holds_outputs(): the loss functions' values live on this rank
 
 
 def _check_learner_parallelism(parallel: ParallelConfig) -> None:
@@ -233,8 +233,7 @@ class Learner:
         if total_actions == 0:
             logger.warning("step skipped: its %d trajectories hold no generated tokens", len(trajectories))
             return {**metrics, "step/skipped": 1.0}
-        holds = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
-        return StepPlan(len(trajectories), mine, batch, mbs, metrics, seq_adv, holds)
+        return StepPlan(len(trajectories), mine, batch, mbs, metrics, seq_adv, holds_outputs())
 
     def _policy_update(self, plan: StepPlan, advantages: torch.Tensor) -> None:
         assert self.policy is not None

@@ -13,7 +13,7 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _holds_outputs() -> bool:
+def holds_outputs() -> bool:
     """Ranks whose loss-function metrics count once: last pipeline stage, TP rank 0, CP rank 0."""
     from megatron.core import parallel_state as ps
 
@@ -26,7 +26,7 @@ def _holds_outputs() -> bool:
 
 def reduce_metrics(per_microbatch: list[WeightedMetrics], prefix: str = "") -> dict[str, float]:
     """Collective over the world: every rank must call it with its (possibly empty) list."""
-    contributes = _holds_outputs()
+    contributes = holds_outputs()
     local: WeightedMetrics = {}
     for m in per_microbatch if contributes else []:
         for name, (v, w) in m.items():
