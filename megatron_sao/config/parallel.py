@@ -29,6 +29,13 @@ class ParallelConfig(Section):
     sequence_parallel: bool | None = None
     """Sequence parallelism; None turns it on whenever tensor > 1 (megatron requires it for MoE + TP)."""
 
+    first_stage_layers: int | None = Field(default=None, ge=1)
+    """Transformer layers on the first pipeline stage (uneven PP). None with last_stage_layers None: an even
+    split, or a balanced uneven one when `pipeline` does not divide the layer count (see stage_layers)."""
+
+    last_stage_layers: int | None = Field(default=None, ge=1)
+    """Transformer layers on the last pipeline stage (uneven PP); see first_stage_layers."""
+
     @property
     def model_parallel_size(self) -> int:
         """TP * PP * CP: ranks that hold one copy of the dense part of the model."""
@@ -66,6 +73,41 @@ class ParallelConfig(Section):
             )
         if self.sequence_parallel and self.tensor == 1:
             raise ValueError("parallel.sequence_parallel=true needs parallel.tensor > 1; set it to null or false")
+
+    def stage_layers(self, num_layers: int) -> tuple[int | None, int | None]:
+        """(layers on the first stage, layers on the last stage) for megatron's uneven pipeline split, or
+        (None, None) for an even split. Unset and `pipeline` not dividing `num_layers`: the middle stages get
+        m = ceil(L / PP) layers each and the first and last stage share the rest (each at most m: they also hold
+        the embedding and the loss), e.g. GLM-5's 78 layers on PP=8 -> 9, 6 x 10, 9. Raises ValueError naming
+        the fields when no split fits."""
+        pp = self.pipeline
+        first, last = self.first_stage_layers, self.last_stage_layers
+        if pp == 1:
+            if first is not None or last is not None:
+                raise ValueError("parallel.first_stage_layers / last_stage_layers need parallel.pipeline > 1")
+            return None, None
+        if first is None and last is None:
+            if num_layers % pp == 0:
+                return None, None
+            for middle in range(-(-num_layers // pp), num_layers):
+                rest = num_layers - (pp - 2) * middle
+                first, last = rest // 2, rest - rest // 2
+                if 1 <= first and last <= middle:
+                    return first, last
+            raise ValueError(
+                f"{num_layers} layers cannot be split over parallel.pipeline={pp} stages; lower parallel.pipeline"
+            )
+        middle_layers = num_layers - (first or 0) - (last or 0)
+        middle_stages = pp - (first is not None) - (last is not None)
+        if middle_layers < 0 or bool(middle_layers) != bool(middle_stages) or (
+            middle_stages and middle_layers % middle_stages
+        ):
+            raise ValueError(
+                f"parallel.first_stage_layers={first} / last_stage_layers={last} leave {middle_layers} of the "
+                f"model's {num_layers} layers for {middle_stages} other pipeline stage(s); they must divide evenly "
+                f"(or unset both for an automatic split)"
+            )
+        return first, last
 
     def check_num_experts(self, num_experts: int) -> None:
         if num_experts % self.expert:

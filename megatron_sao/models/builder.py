@@ -140,8 +140,11 @@ def transformer_config(
             f"parallel.tensor={parallel.tensor} must divide the {heads} attention heads and {groups} KV heads of "
             f"{spec.family.name}; choose a tensor-parallel size that divides both"
         )
+    first_stage_layers, last_stage_layers = parallel.stage_layers(arch["num_layers"])
     kwargs: dict[str, Any] = dict(
         **arch,
+        num_layers_in_first_pipeline_stage=first_stage_layers,
+        num_layers_in_last_pipeline_stage=last_stage_layers,
         normalization="RMSNorm",
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,

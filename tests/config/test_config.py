@@ -172,3 +172,29 @@ def test_model_family_choices_are_the_registry() -> None:
     from megatron_sao.models.families import FAMILIES
 
     assert set(get_args(ModelFamily)) == set(FAMILIES)
+
+
+@pytest.mark.parametrize(
+    ("layers", "pp", "split"),
+    [(48, 4, (None, None)), (78, 8, (9, 9)), (3, 2, (1, 2)), (7, 4, (1, 2)), (61, 4, (14, 15)), (5, 1, (None, None))],
+)
+def test_pipeline_split_is_even_or_balanced(layers: int, pp: int, split: tuple) -> None:
+    from megatron_sao.config import ParallelConfig
+
+    first, last = ParallelConfig(pipeline=pp).stage_layers(layers)
+    assert (first, last) == split
+    if first is not None:
+        middle = (layers - first - last) // (pp - 2) if pp > 2 else max(first, last)
+        assert first + last + middle * (pp - 2) == layers and 1 <= first <= middle and last <= middle
+
+
+def test_pipeline_split_errors_name_the_fields() -> None:
+    from megatron_sao.config import ParallelConfig
+
+    assert ParallelConfig(pipeline=4, first_stage_layers=4, last_stage_layers=4).stage_layers(12) == (4, 4)
+    with pytest.raises(ValueError, match="first_stage_layers=5 / last_stage_layers=None leave 7"):
+        ParallelConfig(pipeline=4, first_stage_layers=5).stage_layers(12)
+    with pytest.raises(ValueError, match="cannot be split over parallel.pipeline=4"):
+        ParallelConfig(pipeline=4).stage_layers(3)
+    with pytest.raises(ValueError, match="need parallel.pipeline > 1"):
+        ParallelConfig(first_stage_layers=2).stage_layers(4)

@@ -177,3 +177,19 @@ def test_moe_auxiliary_loss_enters_the_policy_gradient_and_is_logged(tiny_hf_dir
     assert on["metrics"]["moe/load_balancing_loss"] > 0.0
     moved = max(float((on["routers"][n] - off["routers"][n]).abs().max()) for n in off["routers"])
     assert moved > 1e-6, "the auxiliary loss did not change the router update"
+
+
+@pytest.mark.multiproc
+def test_uneven_pipeline_split_steps_like_one_rank(tmp_path):
+    """3 layers on PP=2 (1 + 2, megatron's uneven split chosen by parallel.stage_layers); glm4_moe's first layer
+    is dense, so a wrong layer offset on the second stage would build or load the wrong layers."""
+    from megatron_sao.models.tiny import make_tiny_model
+
+    hf_dir = str(make_tiny_model("glm4_moe", tmp_path / "hf", layers=3, seed=4))
+    trajectories = on_policy(make_batch(4, seed=5), hf_dir)
+    ref = spawn_ranks(_one_step_per_layout, 1, hf_dir, trajectories, {"single": {}}, "fp32", timeout_s=300)
+    per_rank = spawn_ranks(_one_step_per_layout, 2, hf_dir, trajectories, {"pp2": {"pipeline": 2}}, "fp32",
+                           timeout_s=300)  # fmt: skip
+    assert ref[0]["single"]["policy_moved"] > 5e-6
+    _compare(_assembled(ref, "single", "policy"), _assembled(per_rank, "pp2", "policy"), 1e-6)
+    _compare(_assembled(ref, "single", "value"), _assembled(per_rank, "pp2", "value"), 1e-6)
