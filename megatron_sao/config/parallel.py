@@ -92,15 +92,17 @@ class ParallelConfig(Section):
             for middle in range(-(-num_layers // pp), num_layers):
                 rest = num_layers - (pp - 2) * middle
                 first, last = rest // 2, rest - rest // 2
-                if 1 <= first and last <= middle:
+                if first >= 1 and last <= middle:
                     return first, last
             raise ValueError(
                 f"{num_layers} layers cannot be split over parallel.pipeline={pp} stages; lower parallel.pipeline"
             )
         middle_layers = num_layers - (first or 0) - (last or 0)
         middle_stages = pp - (first is not None) - (last is not None)
-        if middle_layers < 0 or bool(middle_layers) != bool(middle_stages) or (
-            middle_stages and middle_layers % middle_stages
+        if (
+            middle_layers < 0
+            or bool(middle_layers) != bool(middle_stages)
+            or (middle_stages and middle_layers % middle_stages)
         ):
             raise ValueError(
                 f"parallel.first_stage_layers={first} / last_stage_layers={last} leave {middle_layers} of the "
