@@ -15,7 +15,6 @@ from typing import Protocol
 
 import msgspec
 import numpy as np
-import zmq
 
 from megatron_sao.bus.protocol import Reason
 from megatron_sao.bus.schema import ARRAY_DTYPES, SCHEMA_VERSION, Trajectory, TrajectoryHeader
@@ -63,6 +62,9 @@ class _Buffer(Protocol):
     def __len__(self) -> int: ...
 
 
+_ARRAYS = tuple((name, dtype, dtype.itemsize) for name, dtype in ARRAY_DTYPES.items())
+
+
 def encode(traj: Trajectory) -> list[bytes | memoryview]:
     """Header frame plus the arrays' own memory (C-contiguous; copied only when a caller passed a strided view)."""
     frames: list[bytes | memoryview] = [_HEADER_ENCODER.encode(traj.header)]
@@ -76,37 +78,33 @@ def check_sizes(frames: Sequence[_Buffer], limits: Limits) -> int:
     """Frame count and size limits; returns the total bytes. Raises FrameError."""
     if len(frames) != NUM_PAYLOAD_FRAMES:
         raise FrameError(Reason.FRAME_COUNT, f"{len(frames)} payload frames, expected {NUM_PAYLOAD_FRAMES}")
-    total = 0
-    for i, f in enumerate(frames):
-        n = len(f)
-        cap = limits.max_header_bytes if i == 0 else limits.max_frame_bytes
+    sizes = [len(f) for f in frames]
+    total = sum(sizes)
+    hcap, fcap = limits.max_header_bytes, limits.max_frame_bytes
+    if sizes[0] <= hcap and max(sizes) <= fcap and total <= limits.max_message_bytes:
+        return total
+    for i, n in enumerate(sizes):  # a limit is exceeded: name the first frame over its cap, else the total
+        cap = hcap if i == 0 else fcap
         if n > cap:
             raise FrameError(Reason.FRAME_TOO_LARGE, f"frame {i} has {n} bytes > limit {cap}")
-        total += n
     if total > limits.max_message_bytes:
         raise FrameError(Reason.MESSAGE_TOO_LARGE, f"{total} bytes > max_message_bytes {limits.max_message_bytes}")
     return total
 
 
-def _buffer(frame: object) -> memoryview | bytes:
-    if type(frame) is zmq.Frame:
-        return frame.buffer
-    assert isinstance(frame, memoryview | bytes), type(frame)  # tests and the spool pass these
-    return frame
-
-
 def decode(frames: Sequence[object], limits: Limits) -> tuple[Trajectory, int]:
     """Frames (header + arrays) -> (validated Trajectory whose arrays view the frames, payload bytes).
 
+    Frames are zmq.Frame, bytes or memoryview (msgspec and np.frombuffer read any of them in place).
     traj.extras["oldest_version"] is set from the validation pass. Raises FrameError.
     """
     nbytes = check_sizes(frames, limits)  # type: ignore[arg-type]
-    head = _buffer(frames[0])
+    head = frames[0]
     try:
-        header = _HEADER_DECODER.decode(head)
+        header = _HEADER_DECODER.decode(head)  # type: ignore[call-overload]
     except msgspec.DecodeError as e:
         try:  # tell another schema version apart from garbage
-            version = _PEEK_DECODER.decode(head).schema_version
+            version = _PEEK_DECODER.decode(head).schema_version  # type: ignore[call-overload]
         except msgspec.DecodeError:
             raise FrameError(Reason.MALFORMED, f"header frame: {e}") from e
         if version == SCHEMA_VERSION:
@@ -114,15 +112,16 @@ def decode(frames: Sequence[object], limits: Limits) -> tuple[Trajectory, int]:
         raise FrameError(Reason.SCHEMA_VERSION, f"schema_version {version}, expected {SCHEMA_VERSION}") from e
     if header.schema_version != SCHEMA_VERSION:
         raise FrameError(Reason.SCHEMA_VERSION, f"schema_version {header.schema_version}, expected {SCHEMA_VERSION}")
+    n = header.num_tokens
     arrays = []
-    for frame, (name, dtype) in zip(frames[1:], ARRAY_DTYPES.items()):
-        buf = _buffer(frame)
-        if len(buf) != header.num_tokens * dtype.itemsize or header.num_tokens < 0:
-            raise FrameError(Reason.ARRAY_SIZE, f"{name}: {len(buf)} bytes, header says {header.num_tokens} tokens")
-        arr = np.frombuffer(buf, dtype=dtype)
+    for frame, (name, dtype, itemsize) in zip(frames[1:], _ARRAYS):
+        size = len(frame)  # type: ignore[arg-type]
+        if size != n * itemsize or n < 0:
+            raise FrameError(Reason.ARRAY_SIZE, f"{name}: {size} bytes, header says {n} tokens")
+        arr = np.frombuffer(frame, dtype)  # type: ignore[call-overload]
         arr.flags.writeable = False  # a view on the received message: copy before writing
         arrays.append(arr)
-    traj = Trajectory(header, *arrays)
+    traj = Trajectory(header, arrays[0], arrays[1], arrays[2], arrays[3])
     validate_values(traj)
     return traj, nbytes
 

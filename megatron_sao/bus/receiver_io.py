@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 _EVENTS, _POLLIN, _NOBLOCK, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK), int(zmq.SNDMORE)
 _DRAIN_BATCH = 256  # messages read per loop iteration before acks and credits go out
 _ACK_BATCH = 32  # receipt acks sent together (credits are never held back)
+_MAX_ENVELOPE_BYTES = protocol.MAX_ENVELOPE_BYTES
+_Data, _decode_envelope, _monotonic = protocol.Data, protocol.decode_to_receiver, time.monotonic
+_decode_payload = codec.decode
 _MONITOR_EVENTS = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth_failed",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake_failed",
@@ -83,6 +86,7 @@ class ReceiverIO:
         self.limits = codec.Limits(cfg.max_frame_bytes, cfg.max_message_bytes, cfg.max_header_bytes)
         self.book = CreditBook(cfg.recv_queue_size, cfg.max_inflight)
         self._to_ack: dict[bytes, Session] = {}
+        self._received = 0  # data messages queued since the counters were last updated
         self.ctx = zmq.Context()
         try:
             self._auth = auth.start_server_auth(self.ctx, cfg)
@@ -178,6 +182,9 @@ class ReceiverIO:
                 return
             if self.router in ready:
                 self._drain_router()
+                if self._received:
+                    self.counters.add("received", self._received)
+                    self._received = 0
             if self.monitor in ready:
                 self._drain_monitor()
             now = time.monotonic()
@@ -253,36 +260,31 @@ class ReceiverIO:
                 self.counters.add(name)
 
     def _drain_router(self) -> None:
-        """Read up to _DRAIN_BATCH messages (poll said at least one is there)."""
-        for i in range(_DRAIN_BATCH):
-            if i and not self.router.getsockopt(_EVENTS) & _POLLIN:  # cheaper than catching zmq.Again
-                return
-            head = self.router.recv(copy=False)
-            frames, early = self._recv_parts(head.more)
-            self._handle(head.bytes, frames, early)
+        """Read up to _DRAIN_BATCH messages (poll said at least one is there).
 
-    def _recv_parts(self, more: bool) -> tuple[list[zmq.Frame], Reason | None]:
-        """The rest of a message; past the frame-count or byte limits, later parts are read and dropped at once."""
-        frames: list[zmq.Frame] = []
-        total = 0
-        early: Reason | None = None
+        Per message: the routing id, then at most 1 + codec.NUM_PAYLOAD_FRAMES parts; past that frame count, or
+        past the byte limit, the rest is read and dropped at once and the message is refused.
+        """
+        recv, getsockopt, handle = self.router.recv, self.router.getsockopt, self._handle
         max_parts = 1 + codec.NUM_PAYLOAD_FRAMES
-        recv = self.router.recv
-        while more:
-            part = recv(copy=False)
-            more = part.more
-            if early is not None:
-                continue
-            total += len(part)
-            if len(frames) >= max_parts:
-                early = Reason.FRAME_COUNT
-            elif total > self.cfg.max_message_bytes + protocol.MAX_ENVELOPE_BYTES:
-                early = Reason.MESSAGE_TOO_LARGE
-            if early is not None:
-                del frames[1:]  # keep the envelope (to name the seq in the Reject), free the payload
-            else:
+        max_total = self.cfg.max_message_bytes + protocol.MAX_ENVELOPE_BYTES
+        for i in range(_DRAIN_BATCH):
+            if i and not getsockopt(_EVENTS) & _POLLIN:  # cheaper than catching zmq.Again
+                return
+            head = recv(0, False)
+            more = head.more
+            frames: list[zmq.Frame] = []
+            while more and len(frames) < max_parts:
+                part = recv(0, False)
                 frames.append(part)
-        return frames, early
+                more = part.more
+            early: Reason | None = None
+            if more or (frames and sum(map(len, frames)) > max_total):
+                early = Reason.MESSAGE_TOO_LARGE if sum(map(len, frames)) > max_total else Reason.FRAME_COUNT
+                del frames[1:]  # keep the envelope (to name the seq in the Reject), free the payload
+                while more:
+                    more = recv(0, False).more
+            handle(head.bytes, frames, early)
 
     def _reject(self, reason: Reason, detail: str, rid: bytes | None = None, seq: int | None = None) -> None:
         self.counters.add("rejected")
@@ -294,17 +296,17 @@ class ReceiverIO:
     def _handle(self, rid: bytes, frames: list[zmq.Frame], early: Reason | None) -> None:
         if not frames:
             return self._reject(Reason.MALFORMED, "message without an envelope frame")
-        if len(frames[0]) > protocol.MAX_ENVELOPE_BYTES:
+        if len(frames[0]) > _MAX_ENVELOPE_BYTES:
             return self._reject(Reason.FRAME_TOO_LARGE, f"envelope of {len(frames[0])} bytes")
         try:
-            env = protocol.decode_to_receiver(frames[0].buffer)
+            env = _decode_envelope(frames[0])
         except msgspec.DecodeError as e:
             return self._reject(Reason.MALFORMED, f"envelope: {e}")
         s = self.book.sessions.get(rid)
         if s is not None:
-            s.last_seen = time.monotonic()
-        if isinstance(env, protocol.Data):
-            return self._on_data(rid, s, env, frames[1:], early)
+            s.last_seen = _monotonic()
+        if type(env) is _Data:
+            return self._on_data(rid, s, env, frames[1:], early)  # type: ignore[arg-type]
         if len(frames) != 1 or early is not None:
             return self._reject(Reason.PROTOCOL, f"{type(env).__name__} with {len(frames) - 1} extra frames")
         if isinstance(env, protocol.Hello):
@@ -359,25 +361,27 @@ class ReceiverIO:
         if s is None:
             self._reject(Reason.NO_SESSION, f"data seq {env.seq} from a connection without Hello")
             return self._send(rid, protocol.Pong(self.incarnation, -1, False, 0))
-        self.book.update_demand(s, env.demand)
-        if not self.book.on_data(s):
-            return self._reject(Reason.NO_CREDIT, f"{s.worker_id} sent seq {env.seq} beyond its credits")
+        book, seq, base = self.book, env.seq, env.base
+        book.update_demand(s, env.demand)
+        if not book.on_data(s):
+            return self._reject(Reason.NO_CREDIT, f"{s.worker_id} sent seq {seq} beyond its credits")
         if early is not None:
-            return self._reject(early, f"seq {env.seq} refused while reading frames", rid, env.seq)
-        if not env.base <= env.seq < env.base + self.cfg.max_uncommitted:
-            detail = f"seq {env.seq} outside [base {env.base}, base + max_uncommitted {self.cfg.max_uncommitted})"
-            return self._reject(Reason.PROTOCOL, detail, rid, env.seq)
+            return self._reject(early, f"seq {seq} refused while reading frames", rid, seq)
+        if not base <= seq < base + self.cfg.max_uncommitted:
+            detail = f"seq {seq} outside [base {base}, base + max_uncommitted {self.cfg.max_uncommitted})"
+            return self._reject(Reason.PROTOCOL, detail, rid, seq)
         try:
-            traj, nbytes = codec.decode(payload, self.limits)
+            traj, nbytes = _decode_payload(payload, self.limits)
         except codec.FrameError as e:
-            return self._reject(e.reason, e.detail, rid, env.seq)
-        with self.inbox.cv:
-            self.inbox.queue.append(Item(traj, rid, s.stream, env.seq, env.base, nbytes))
-            self.inbox.queued_bytes += nbytes
-            if 0 < self.inbox.waiting_for <= len(self.inbox.queue):
-                self.inbox.cv.notify()
-        self.book.enqueued(s)
-        s.acks.append(env.seq)
+            return self._reject(e.reason, e.detail, rid, seq)
+        inbox = self.inbox
+        with inbox.cv:
+            inbox.queue.append(Item(traj, rid, s.stream, seq, base, nbytes))
+            inbox.queued_bytes += nbytes
+            if 0 < inbox.waiting_for <= len(inbox.queue):
+                inbox.cv.notify()
+        book.enqueued(s)
+        s.acks.append(seq)
         self._to_ack[rid] = s
-        self.counters.add("received")
+        self._received += 1  # added to the counters once per drained batch
         return None

@@ -167,29 +167,41 @@ class Trajectory:
     def _validate_values(self) -> int | None:
         """Runs after the header checks (turn ranges ordered and disjoint); returns the oldest version.
 
-        A fixed number of numpy calls plus two per turn, each a direct ufunc call (ndarray methods add a Python
+        Five numpy calls whatever the number of turns, each a direct ufunc call (ndarray methods add a Python
         wrapper): this runs on the receiver's socket thread for every message.
         """
-        minimum, all_true = np.minimum.reduce, np.logical_and.reduce
         mask, versions = self.action_mask, self.weight_versions
+        bounds: list[int] = []  # a0, b0, a1, b1, ...: the non-empty action ranges, in order
         num_action = 0
-        oldest: int | None = None
-        for i, t in enumerate(self.header.turns):
+        for t in self.header.turns:
             a, b = t.action_start, t.action_end
             if b > a:
-                if not all_true(mask[a:b]):
-                    raise ValueError("action_mask is False on some token inside a turn's action range")
-                low = int(minimum(versions[a:b]))
-                if low < 0:
-                    raise ValueError(f"weight_versions: negative version on an action token of turns[{i}]")
-                oldest = low if oldest is None or low < oldest else oldest
+                bounds += (a, b)
                 num_action += b - a
+        oldest: int | None = None
+        if bounds:
+            # reduceat over [a0, b0, a1, b1, ...] reduces [a0, b0), [b0, a1), [a1, b1), ...: the even entries are
+            # the action ranges (an entry whose next index is not larger is one element: only ever a gap). The
+            # last index must be < T: a range that ends at T runs to the end anyway.
+            if bounds[-1] == mask.shape[0]:
+                bounds.pop()
+            if not _all_true(_all_true_at(mask, bounds)[::2]):
+                raise ValueError("action_mask is False on some token inside a turn's action range")
+            lows = _minimum_at(versions, bounds)[::2]
+            oldest = int(_minimum(lows))
+            if oldest < 0:
+                i = [j for j, t in enumerate(self.header.turns) if t.action_end > t.action_start][int(lows.argmin())]
+                raise ValueError(f"weight_versions: negative version on an action token of turns[{i}]")
         if np.count_nonzero(mask) != num_action:
             raise ValueError("action_mask is True outside the turns' action ranges (prompt or observation tokens)")
-        if int(minimum(self.tokens)) < 0:
+        if int(_minimum(self.tokens)) < 0:
             raise ValueError("tokens: negative token id")
         lp = self.rollout_logprobs
         # One BLAS pass: NaN and +-inf propagate into the dot product (so would |logprob| > 1.8e19, as absurd)
         if not math.isfinite(float(lp.dot(lp))):
             raise ValueError("rollout_logprobs: NaN, infinite or absurdly large (|x| > 1e19) value")
         return oldest
+
+
+_minimum, _minimum_at = np.minimum.reduce, np.minimum.reduceat
+_all_true, _all_true_at = np.logical_and.reduce, np.logical_and.reduceat
