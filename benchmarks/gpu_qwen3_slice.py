@@ -7,6 +7,10 @@ download): the widths, not the weights, set the speed.
 
     python benchmarks/gpu_qwen3_slice.py --layers 4 [--seq 4096 --trajectories 8 --peak-tflops 989]
     python benchmarks/gpu_qwen3_slice.py --cpu-smoke        # a scaled-down run that checks the code path on CPU
+
+Memory (estimate, defaults: 4 layers x 128 experts at EP=1, both roles on one GPU): ~100 GB of weights, grads and
+Adam state plus ~15-20 GB of fp32 logits per 8192-token micro-batch; on an out-of-memory error use
+--microbatch-tokens 4096 or --layers 2.
 """
 
 from __future__ import annotations
@@ -116,7 +120,7 @@ def main() -> None:
     from megatron_sao.learner.forward import run_microbatches, token_logprobs
     from megatron_sao.learner.learner import Learner
     from megatron_sao.learner.synthetic import make_trajectory
-    from megatron_sao.models.builder import ModelSpec, transformer_engine_available
+    from megatron_sao.models.builder import ModelSpec, uses_transformer_engine
     from megatron_sao.models.families import get_family
 
     hf, dtype = args.hf, "bf16"
@@ -155,7 +159,7 @@ def main() -> None:
         t = median_seconds(fn, args.repeats)
         achieved = step_flops_per_token(hf, args.seq, value_updates) * tokens / t / 1e12
         print(json.dumps({
-            "measurement": name, "device": str(ctx.device), "te": transformer_engine_available(),
+            "measurement": name, "device": str(ctx.device), "te": uses_transformer_engine(spec),
             "layers": args.layers, "hidden": hf["hidden_size"], "experts": hf["num_experts"], "dtype": dtype,
             "tokens": tokens, "seconds": round(t, 4), "tokens_per_s": round(tokens / t, 1),
             "model_tflops_per_s": round(achieved, 2), "mfu": round(achieved / args.peak_tflops, 4),

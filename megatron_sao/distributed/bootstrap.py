@@ -77,7 +77,7 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234, timeout_s: floa
     platform = activate(local_rank)
     parallel.check_world_size(world_size)
     if platform.dist_backend == "nccl":
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(platform.device)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:

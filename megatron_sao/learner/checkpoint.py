@@ -25,6 +25,7 @@ from megatron_sao.models.checkpoint import (
     CheckpointMismatchError,
     check_hf_source,
     hf_source_record,
+    is_extra_state,
     model_sharded_state_dict,
     read_hf_source,
 )
@@ -175,9 +176,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def _load_weights(model: Any, loaded: dict[str, Any], prefix: str, path: Path, allow_missing: str = "") -> None:
     weights = {k.removeprefix(prefix): v for k, v in loaded.items() if k.startswith(prefix)}
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    missing = [
-        k for k in missing if not k.endswith("._extra_state") and not (allow_missing and k.startswith(allow_missing))
-    ]
+    missing = [k for k in missing if not is_extra_state(k) and not (allow_missing and k.startswith(allow_missing))]
     if missing or unexpected:
         raise CheckpointError(f"{path}: missing {missing[:8]}, unexpected {unexpected[:8]} ({prefix}*)")
 

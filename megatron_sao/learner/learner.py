@@ -36,7 +36,7 @@ from megatron_sao.learner.metrics import all_reduce_scalar, explained_variance, 
 from megatron_sao.learner.packing import MicroBatch, pack_microbatches, plan_microbatches
 from megatron_sao.learner.roles import RoleModel, build_role
 from megatron_sao.learner.step import policy_update, value_update
-from megatron_sao.models.builder import ModelSpec, transformer_engine_available
+from megatron_sao.models.builder import ModelSpec, uses_transformer_engine
 from megatron_sao.models.checkpoint import hf_source_record
 from megatron_sao.models.weights import TIED_LM_HEAD, HFCheckpoint, load_hf_weights
 
@@ -79,10 +79,10 @@ class Learner:
         learner.value_on_separate_ranks the launcher starts a policy job and a value job and passes {"policy"} or
         {"value"} to each."""
         roles = self._roles(cfg, roles)
-        self.use_thd = transformer_engine_available()
         _check_learner_parallelism(cfg.parallel)
         self.cfg = cfg
         self.spec = spec or ModelSpec.from_config(cfg.model)
+        self.use_thd = uses_transformer_engine(self.spec)  # the same decision build_role's layer specs follow
         learner, algo = cfg.learner, cfg.algo
         self.policy: RoleModel | None = None
         if "policy" in roles:

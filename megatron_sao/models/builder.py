@@ -1,13 +1,15 @@
 """Build this rank's megatron-core GPTModel (policy or value role) from an HF config.json.
 
 Called by the learner, the conversion/parity tools and tests. Layer specs come from megatron-core
-(`get_gpt_decoder_block_spec`): Transformer Engine specs when TE is importable on a GPU, local specs
-otherwise (the CPU path). The value role is the same backbone with `ValueHead` as output layer.
+(`get_gpt_decoder_block_spec`): Transformer Engine specs for bf16 models when megatron-core can use TE on a
+GPU (uses_transformer_engine), local specs otherwise (the CPU path, and fp32 on GPUs). The value role is the
+same backbone with `ValueHead` as output layer.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -17,6 +19,8 @@ import torch
 from megatron_sao.config.model import ModelConfig
 from megatron_sao.config.parallel import ParallelConfig
 from megatron_sao.models.families import HFConfig, ModelFamily, UnsupportedModelError, detect_family
+
+logger = logging.getLogger(__name__)
 
 Role = Literal["policy", "value"]
 DSA_UNAVAILABLE = (
@@ -33,13 +37,27 @@ VOCAB_PAD_MULTIPLE = 128
 
 
 def transformer_engine_available() -> bool:
+    """Whether megatron-core can use Transformer Engine here: CUDA, TE's PyTorch module, and megatron's TE layer
+    specs enabled (`import transformer_engine` alone succeeds when `transformer_engine.pytorch` fails to import, e.g.
+    a TE built for another torch or too new for this megatron-core; megatron then has HAVE_TE=False)."""
     if not torch.cuda.is_available():
         return False
     try:
-        import transformer_engine  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401
+        from megatron.core.models.gpt import gpt_layer_specs
     except ImportError:
         return False
+    if not getattr(gpt_layer_specs, "HAVE_TE", False):
+        logger.warning("transformer_engine imports but megatron-core cannot use it (HAVE_TE=False): local layer specs")
+        return False
     return True
+
+
+def uses_transformer_engine(spec: ModelSpec) -> bool:
+    """The one decision between TE layer specs with THD-packed sequences and the local spec with a block-causal
+    mask. TE attention on THD needs bf16/fp16 (FlashAttention / FusedAttention; TE <= 2.10 has no unfused THD
+    backend), so an fp32 model uses the local spec on GPUs too."""
+    return spec.dtype == "bf16" and transformer_engine_available()
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
@@ -93,8 +111,11 @@ class ModelSpec:
         )
 
 
-def numerics(dtype: str, use_te: bool) -> dict[str, Any]:
-    """dtype and kernel-fusion settings of a TransformerConfig: fusions need TE/apex/CUDA kernels."""
+def numerics(dtype: str, use_te: bool, rope_fusion: bool = True) -> dict[str, Any]:
+    """dtype and kernel-fusion settings of a TransformerConfig: fusions need TE/apex/CUDA kernels.
+    `rope_fusion=False` where megatron has no fused kernel for the model's RoPE (MLA without YaRN)."""
+    from megatron.core.tensor_parallel.layers import _grad_accum_fusion_available
+
     params_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     return dict(
         bf16=dtype == "bf16",
@@ -102,10 +123,11 @@ def numerics(dtype: str, use_te: bool) -> dict[str, Any]:
         pipeline_dtype=params_dtype,
         use_cpu_initialization=not torch.cuda.is_available(),
         # Fusions need TE/apex/CUDA kernels; the CPU path runs the eager functions.
-        gradient_accumulation_fusion=use_te,
+        # apex's fused_weight_gradient_mlp_cuda (not in TE): megatron's output layer refuses the flag without it
+        gradient_accumulation_fusion=use_te and _grad_accum_fusion_available,
         bias_activation_fusion=use_te,
         bias_dropout_fusion=use_te,
-        apply_rope_fusion=use_te,
+        apply_rope_fusion=use_te and rope_fusion,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         moe_grouped_gemm=use_te,
@@ -123,8 +145,10 @@ def transformer_config(
     """megatron-core TransformerConfig (MLATransformerConfig for MLA families) for `spec` laid out by `parallel`."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    use_te = transformer_engine_available() if use_te is None else use_te
+    use_te = uses_transformer_engine(spec) if use_te is None else use_te
     arch = spec.family.architecture(spec.hf)
+    # MLATransformerConfig: "apply_rope_fusion for MLA only works with YARN RoPE"
+    rope_fusion = not spec.family.multi_latent_attention or arch.get("rope_type") == "yarn"
     if not spec.family.multi_latent_attention:
         for key in ROPE_MODEL_ARGS:  # GPTModel arguments, not TransformerConfig fields (MLA keeps them)
             arch.pop(key)
@@ -166,7 +190,7 @@ def transformer_config(
         moe_router_bias_update_rate=0.0,
         variable_seq_lengths=True,
         calculate_per_token_loss=True,
-        **numerics(spec.dtype, use_te),
+        **numerics(spec.dtype, use_te, rope_fusion),
     )
     if spec.use_dsa_indexer:
         kwargs["experimental_attention_variant"] = "dsa"
@@ -193,7 +217,7 @@ def build_model(
     from megatron_sao.models.attention import with_latent_attention
     from megatron_sao.models.value_head import ValueHead
 
-    use_te = transformer_engine_available() if use_te is None else use_te
+    use_te = uses_transformer_engine(spec) if use_te is None else use_te
     if spec.use_dsa_indexer:
         raise UnsupportedModelError(DSA_UNAVAILABLE)
     block = get_gpt_decoder_block_spec(

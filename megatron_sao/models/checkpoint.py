@@ -63,9 +63,17 @@ def canonicalize_sharded_keys(sharded_sd: dict[str, Any]) -> dict[str, Any]:
     return sharded_sd
 
 
+_EXTRA_STATE = re.compile(r"\._extra_state\d*$")
+
+
+def is_extra_state(key: str) -> bool:
+    """A module's `_extra_state` entry (TE FP8 metadata; TEGroupedLinear numbers its experts' `_extra_state1`, ...)."""
+    return _EXTRA_STATE.search(key) is not None
+
+
 def drop_extra_state(sharded_sd: dict[str, Any]) -> dict[str, Any]:
     """The weights of a flat model sharded state dict: without the modules' `_extra_state` objects."""
-    return {k: v for k, v in sharded_sd.items() if not k.endswith("._extra_state")}
+    return {k: v for k, v in sharded_sd.items() if not is_extra_state(k)}
 
 
 def model_sharded_state_dict(model: Any, prefix: str = POLICY_PREFIX) -> dict[str, Any]:
@@ -172,6 +180,6 @@ def load_model_weights(
         raise CheckpointMismatchError(f"cannot load {ckpt_dir} into this model ({prefix}*): {e}") from e
     weights = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if not k.endswith("._extra_state")]
+    missing = [k for k in missing if not is_extra_state(k)]
     if missing or unexpected:
         raise CheckpointMismatchError(f"loading {ckpt_dir}: missing {missing[:8]}, unexpected {unexpected[:8]}")

@@ -68,7 +68,9 @@ def activate(local_rank: int = 0) -> PlatformInfo:
     """Pick the device and backend; on a CPU-only machine install the CPU layer (idempotent)."""
     version = megatron_version()
     if torch.cuda.is_available() and not _applied:
-        return PlatformInfo(torch.device("cuda", local_rank), "nccl", False, version, ())
+        # modulo: a Slurm task may see only its own GPU (CUDA_VISIBLE_DEVICES) while SLURM_LOCALID > 0
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        return PlatformInfo(device, "nccl", False, version, ())
     if not _applied:
         if version not in CHECKED_MEGATRON_VERSIONS:
             warnings.warn(

@@ -152,12 +152,16 @@ def test_platform_layer_stays_off_when_cuda_is_available(monkeypatch):
     import megatron_sao.platform as platform
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(platform, "_applied", [])
     info = platform.activate(local_rank=3)
     assert info.dist_backend == "nccl"
     assert info.device == torch.device("cuda", 3)
     assert not info.cpu_layer_active and info.applied == ()
     assert platform._applied == []
+    # a Slurm task that sees only its own GPU (CUDA_VISIBLE_DEVICES) while SLURM_LOCALID is 3
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert platform.activate(local_rank=3).device == torch.device("cuda", 0)
 
 
 def test_every_patch_names_its_target_reason_and_versions():
