@@ -22,8 +22,9 @@ class Shard:
     tensor: torch.Tensor  # the shard (a detached CPU copy)
 
 
-def local_shards(model: Any, skip_replicas: bool = True) -> list[Shard]:
-    """This rank's shards of `model`. With skip_replicas only the main replica of each shard is returned."""
+def local_shards(model: Any, skip_replicas: bool = True, copy: bool = True) -> list[Shard]:
+    """This rank's shards of `model`. With skip_replicas only the main replica of each shard is returned.
+    copy=False: each Shard.tensor is the live (detached) parameter data, wherever it lives; copy it before use."""
     out = []
     for sh in iter_sharded_tensors(model):
         replica = sh.replica_id if isinstance(sh.replica_id, tuple) else (sh.replica_id,)
@@ -31,9 +32,8 @@ def local_shards(model: Any, skip_replicas: bool = True) -> list[Shard]:
             continue
         p = sh.prepend_axis_num
         name = canonical_from_checkpoint_key(sh.key, tuple(sh.global_offset[:p]))
-        out.append(
-            Shard(name, tuple(sh.global_shape[p:]), tuple(sh.global_offset[p:]), sh.data.detach().to("cpu", copy=True))
-        )
+        data = sh.data.detach().to("cpu", copy=True) if copy else sh.data.detach()
+        out.append(Shard(name, tuple(sh.global_shape[p:]), tuple(sh.global_offset[p:]), data))
     return out
 
 

@@ -3,7 +3,6 @@ to both (pause in place -> one gloo broadcast to both engines -> continue); traj
 
 from __future__ import annotations
 
-import datetime
 import threading
 import time
 from pathlib import Path
@@ -20,11 +19,14 @@ from megatron_sao.rollout.client import EngineRouter, SGLangClient
 from megatron_sao.rollout.envs import make_env
 from megatron_sao.rollout.prompts import PromptCursor
 from megatron_sao.rollout.worker import InMemorySink, RolloutWorker, WorkerConfig
+from megatron_sao.weight_sync.group import destroy_update_group, init_update_group
 
 VERSIONS = 3
 
 
-def _update_all(clients: list[SGLangClient], new: dict[str, Any], names: list[str], version: int) -> list[str]:
+def _update_all(
+    clients: list[SGLangClient], new: dict[str, Any], names: list[str], version: int, group: Any
+) -> list[str]:
     """Announce the update to every engine (HTTP threads) while rank 0 broadcasts each tensor once to all of them."""
     import torch.distributed as dist
 
@@ -39,7 +41,7 @@ def _update_all(clients: list[SGLangClient], new: dict[str, Any], names: list[st
     for t in threads:
         t.start()
     for n in names:
-        dist.broadcast(new[n], src=0)
+        dist.broadcast(new[n], src=0, group=group)
     for t in threads:
         t.join(60)
     return [o["message"] for o in outs]
@@ -48,7 +50,6 @@ def _update_all(clients: list[SGLangClient], new: dict[str, Any], names: list[st
 def push_versions(urls: list[str], model_dir: str, port: int) -> list[str]:
     """Trainer (rank 0 of 1 + len(urls)): push VERSIONS updates, each while requests are in flight."""
     import torch
-    import torch.distributed as dist
     from safetensors.torch import load_file
 
     clients = [SGLangClient(u) for u in urls]
@@ -57,8 +58,7 @@ def push_versions(urls: list[str], model_dir: str, port: int) -> list[str]:
              for i, c in enumerate(clients)]  # fmt: skip
     for t in inits:
         t.start()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=0,
-                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    group = init_update_group("gloo", "127.0.0.1", port, world, 0, "g", 120.0)
     for t in inits:
         t.join(60)
     base = load_file(f"{model_dir}/model.safetensors")
@@ -72,11 +72,11 @@ def push_versions(urls: list[str], model_dir: str, port: int) -> list[str]:
         for c in clients:
             c.pause_generation("in_place")
         new = {k: base[k] + 0.01 * version * torch.ones_like(base[k]) for k in names}
-        messages += _update_all(clients, new, names, version)
+        messages += _update_all(clients, new, names, version, group)
         for c in clients:
             c.continue_generation()
         time.sleep(0.3)
-    dist.destroy_process_group()
+    destroy_update_group(group)
     return messages
 
 

@@ -3,7 +3,6 @@ broadcast from a trainer process (rank 0) to an embedded engine process (rank 1)
 
 from __future__ import annotations
 
-import datetime
 import shutil
 import tempfile
 import threading
@@ -16,6 +15,7 @@ import pytest
 from megatron_sao.distributed.spawn import find_free_port, spawn_ranks
 from megatron_sao.rollout import protocol as P
 from megatron_sao.rollout.client import EngineError, SGLangClient
+from megatron_sao.weight_sync.group import destroy_update_group, init_update_group
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 PROMPT = [1, 2, 3, 4]
@@ -33,7 +33,8 @@ def _in_thread(box: dict[str, Any], key: str, fn: Any, *args: Any, **kwargs: Any
     return t
 
 
-def _push(client: SGLangClient, tensors: dict[str, Any], version: int, shapes: dict[str, list[int]] | None = None):
+def _push(client: SGLangClient, tensors: dict[str, Any], version: int, group: Any,
+          shapes: dict[str, list[int]] | None = None):  # fmt: skip
     """Announce `tensors` (optionally with wrong declared shapes) and broadcast them from rank 0 in order."""
     import torch
     import torch.distributed as dist
@@ -47,7 +48,8 @@ def _push(client: SGLangClient, tensors: dict[str, Any], version: int, shapes: d
                    weight_version=version)  # fmt: skip
     for name, shape in zip(names, declared):
         wrong = name in shapes  # the trainer sends what it declared; the engine must drain it and refuse
-        dist.broadcast(torch.zeros(shape, dtype=tensors[name].dtype) if wrong else tensors[name].contiguous(), src=0)
+        sent = torch.zeros(shape, dtype=tensors[name].dtype) if wrong else tensors[name].contiguous()
+        dist.broadcast(sent, src=0, group=group)
     t.join(120)
     return box["r"]
 
@@ -69,7 +71,6 @@ def _reference(model_dir: str, tensors: dict[str, Any], prompt: list[int], outpu
 
 def trainer(engine_url: str, model_dir: str, port: int) -> dict[str, Any]:
     import torch
-    import torch.distributed as dist
     from safetensors.torch import load_file
 
     client = SGLangClient(engine_url)
@@ -80,25 +81,24 @@ def trainer(engine_url: str, model_dir: str, port: int) -> dict[str, Any]:
         assert time.monotonic() < deadline
         time.sleep(0.005)
     init = _in_thread(box, "init", client.init_weights_update_group, "127.0.0.1", port, 1, 2, "g", "gloo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0,
-                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    group = init_update_group("gloo", "127.0.0.1", port, 2, 0, "g", 120.0)  # as the engine builds its side
     init.join(120)
     torch.manual_seed(0)
     new = {k: v + 0.05 * torch.randn_like(v) for k, v in load_file(f"{model_dir}/model.safetensors").items()}
-    update = _push(client, new, version=1)
+    update = _push(client, new, version=1, group=group)
     gen.join(120)
     after = client.generate(PROMPT, {"max_new_tokens": 8, **GREEDY})
     bad_name = "model.layers.1.mlp.experts.2.up_proj.weight"
     wrong = {bad_name: [int(new[bad_name].shape[0]) + 1, int(new[bad_name].shape[1])]}
-    rejected = _push(client, {k: v * 3 for k, v in new.items()}, version=2, shapes=wrong)
+    rejected = _push(client, {k: v * 3 for k, v in new.items()}, version=2, group=group, shapes=wrong)
     unchanged = client.generate(PROMPT, {"max_new_tokens": 8, **GREEDY})
-    again = _push(client, new, version=3)  # the group is still in step after the drained, rejected update
+    again = _push(client, new, version=3, group=group)  # the group is still in step after the drained, rejected update
     out = {
         "init": box["init"], "update": update, "long": box["long"], "after": after, "rejected": rejected,
         "unchanged": unchanged, "again": again, "version": client.weight_version(),
         "reference": _reference(model_dir, new, PROMPT, after.output_ids),
     }  # fmt: skip
-    dist.destroy_process_group()
+    destroy_update_group(group)
     return out
 
 

@@ -11,13 +11,14 @@ with the trainer, then rejects the whole update without touching the model.
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_sao.rollout.engine.hf_names import Target, resolve
+from megatron_sao.weight_sync.group import destroy_update_group, init_update_group
 
 GROUP_TIMEOUT_S = 300.0
 """Joining the group and each broadcast give up after this long (the trainer must join / send within it)."""
@@ -47,6 +48,7 @@ class WeightUpdater:
     def __init__(self, model: torch.nn.Module) -> None:
         self.tensors: dict[str, torch.Tensor] = dict(model.state_dict())  # share storage with the model
         self.group_name: str | None = None
+        self.group: Any = None  # the update process group (weight_sync/group.py), beside nothing else here
 
     # ---- process group ------------------------------------------------------------------------------------------
     def init_group(
@@ -55,7 +57,7 @@ class WeightUpdater:
         """Join the update group as rank `rank_offset` (blocks until every rank has joined)."""
         if backend != "gloo":
             raise WeightUpdateError(f"backend={backend!r}: the embedded engine runs on CPU; use backend 'gloo'")
-        if self.group_name is not None or dist.is_initialized():
+        if self.group_name is not None:
             raise WeightUpdateError(
                 f"this engine is already in update group {self.group_name!r}; call /destroy_weights_update_group first"
             )
@@ -63,21 +65,22 @@ class WeightUpdater:
             raise WeightUpdateError(
                 f"rank_offset={rank_offset} must be in [1, world_size={world_size}) (rank 0 is the trainer)"
             )
-        dist.init_process_group(
-            backend="gloo",
-            init_method=f"tcp://{master_address}:{master_port}",
-            world_size=world_size,
-            rank=rank_offset,
-            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
-        )
+        try:
+            self.group = init_update_group(
+                "gloo", master_address, master_port, world_size, rank_offset, group_name, GROUP_TIMEOUT_S
+            )
+        except (RuntimeError, ValueError) as e:  # the trainer never came, or the store refused us
+            raise WeightUpdateError(
+                f"could not join update group {group_name!r} at {master_address}:{master_port}: {e}"
+            ) from e
         self.group_name = group_name
         return f"joined update group {group_name!r} as rank {rank_offset} of {world_size}"
 
     def destroy_group(self, group_name: str) -> str:
         if self.group_name != group_name:
             raise WeightUpdateError(f"no update group named {group_name!r} (current: {self.group_name!r})")
-        dist.destroy_process_group()
-        self.group_name = None
+        destroy_update_group(self.group)
+        self.group, self.group_name = None, None
         return f"destroyed update group {group_name!r}"
 
     # ---- receiving ----------------------------------------------------------------------------------------------
@@ -103,7 +106,7 @@ class WeightUpdater:
         received = []
         for dtype, shape in zip(parsed, shapes):
             buf = torch.empty(shape, dtype=dtype)
-            dist.broadcast(buf, src=0)
+            dist.broadcast(buf, src=0, group=self.group)
             received.append(buf)
         if problems:
             shown = "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
