@@ -7,6 +7,11 @@ them: once through TrajectorySender -> TrajectoryReceiver (credits, receipt acks
 recv_batch(32), a commit every 256), once as raw PUSH/PULL multipart messages of the same bytes (copy=False on both
 ends). Prints one line per size: `<N> tokens: bus <X> GB/s, raw <Y> GB/s, ratio <Z> (bus <A> traj/s, raw <B> traj/s)`.
 Counts and time are bounded (--target-mb per run, --max-count, --timeout-s).
+
+Diagnostics: --breakdown adds, per mode, the receiving process's CPU per trajectory by thread (the learner's thread,
+the bus socket thread, libzmq's I/O thread) and the producer's, from the run with the median time.
+--skip-validation (an experiment, never a setting of the bus) makes the receiver skip the per-token value checks,
+to show what they cost.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import resource
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # idle BLAS threads spin on small machines (both modes alike)
 
 from megatron_sao.bus import TrajectoryReceiver, TrajectorySender, codec
+from megatron_sao.bus.schema import Trajectory
 from megatron_sao.bus.synthetic import make_trajectory
 from megatron_sao.config.bus import BusConfig
 
@@ -46,6 +53,23 @@ def _copies(num_tokens: int, count: int):
     for i in range(count):
         header = msgspec.structs.replace(base.header, trajectory_id=f"bench-{i}")
         yield type(base)(header, base.tokens, base.rollout_logprobs, base.action_mask, base.weight_versions)
+
+
+def _thread_cpu_us() -> dict[str, float]:
+    """CPU microseconds so far of each live thread of this process, by role (Linux /proc; {} elsewhere)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for tid in os.listdir(f"/proc/{os.getpid()}/task") if os.path.isdir("/proc") else []:
+        try:
+            with open(f"/proc/{os.getpid()}/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+            with open(f"/proc/{os.getpid()}/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        role = "learner thread" if int(tid) == os.getpid() else names.get(int(tid), comm)
+        out[role] = out.get(role, 0.0) + ns / 1000
+    return out
 
 
 def _cpu_s() -> float:
@@ -119,8 +143,9 @@ def _producer_cpu(proc: subprocess.Popen, timeout_s: float) -> float:
     return float(lines[-1].split()[1])
 
 
-Run = tuple[float, int, float]
-"""(seconds, payload bytes, CPU seconds of both processes while sending)."""
+Run = tuple[float, int, float, dict[str, float]]
+"""(seconds, payload bytes, CPU seconds of both processes while sending, CPU us of each thread of the receiving
+process and of the producer process)."""
 
 
 def _run_bus(num_tokens: int, count: int, timeout_s: float, options: list[str]) -> Run:
@@ -129,7 +154,7 @@ def _run_bus(num_tokens: int, count: int, timeout_s: float, options: list[str]) 
     proc = _start_producer("bus", addr, num_tokens, count, options)
     nbytes = 0
     try:
-        t0, cpu0 = time.perf_counter(), _cpu_s()
+        t0, cpu0, threads0 = time.perf_counter(), _cpu_s(), _thread_cpu_us()
         got, committed = 0, 0
         while got < count:  # as a learner takes them: a step's worth at a time, a commit now and then
             batch = receiver.recv_batch(min(BATCH, count - got), timeout_s=timeout_s)
@@ -140,15 +165,22 @@ def _run_bus(num_tokens: int, count: int, timeout_s: float, options: list[str]) 
             if got - committed >= 256:
                 receiver.commit()
                 committed = got
-        elapsed, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
+        elapsed, cpu, threads = time.perf_counter() - t0, _cpu_s() - cpu0, _thread_cpu_us()
         receiver.commit()
-        cpu += _producer_cpu(proc, timeout_s)
+        producer_cpu = _producer_cpu(proc, timeout_s)
+        cpu += producer_cpu
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         receiver.close()
-    return elapsed, nbytes, cpu
+    return elapsed, nbytes, cpu, _per_thread(threads0, threads, producer_cpu)
+
+
+def _per_thread(before: dict[str, float], after: dict[str, float], producer_cpu_s: float) -> dict[str, float]:
+    out = {k: v - before[k] for k, v in after.items() if k in before}
+    out["producer process"] = producer_cpu_s * 1e6
+    return out
 
 
 def _run_raw(num_tokens: int, count: int, timeout_s: float, options: list[str]) -> Run:
@@ -160,19 +192,20 @@ def _run_raw(num_tokens: int, count: int, timeout_s: float, options: list[str]) 
     proc = _start_producer("raw", addr, num_tokens, count, [])
     nbytes = 0
     try:
-        t0, cpu0 = time.perf_counter(), _cpu_s()
+        t0, cpu0, threads0 = time.perf_counter(), _cpu_s(), _thread_cpu_us()
         for _ in range(count):
             frames = pull.recv_multipart(copy=False)
             nbytes += sum(len(f) for f in frames[1:])
-        elapsed, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
-        cpu += _producer_cpu(proc, timeout_s)
+        elapsed, cpu, threads = time.perf_counter() - t0, _cpu_s() - cpu0, _thread_cpu_us()
+        producer_cpu = _producer_cpu(proc, timeout_s)
+        cpu += producer_cpu
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         pull.close(linger=0)
         ctx.term()
-    return elapsed, nbytes, cpu
+    return elapsed, nbytes, cpu, _per_thread(threads0, threads, producer_cpu)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=60.0)
     p.add_argument("--repeats", type=int, default=5, help="best of N interleaved runs per mode")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="bus config option, both ends")
+    p.add_argument("--breakdown", action="store_true", help="CPU per trajectory by thread (median run)")
+    p.add_argument("--skip-validation", action="store_true", help="experiment: receiver skips the value checks")
     p.add_argument("--producer", choices=["bus", "raw"], help=argparse.SUPPRESS)
     p.add_argument("--addr", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -190,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         producer = _bus_producer if args.producer == "bus" else _raw_producer
         producer(args.addr, args.sizes[0], args.max_count, args.set)
         return 0
+    if args.skip_validation:  # the receiver's decode looks validate_values up in codec at each call
+        codec.validate_values = _skip_value_checks
+        print("EXPERIMENT: the receiver skips the per-token value checks (--skip-validation)", flush=True)
     for n in args.sizes:
         count = max(20, min(args.max_count, int(args.target_mb * 2**20 / (13 * n))))
         runs: dict[str, list[Run]] = {"bus": [], "raw": []}
@@ -208,7 +246,16 @@ def main(argv: list[str] | None = None) -> int:
             f"paired ratios min/median/max {paired[0]:.2f}/{paired[len(paired) // 2]:.2f}/{paired[-1]:.2f})",
             flush=True,
         )
+        if args.breakdown:
+            for mode in ("bus", "raw"):
+                median = sorted(runs[mode], key=lambda r: r[0])[len(runs[mode]) // 2]
+                parts = ", ".join(f"{k} {v / count:.0f}" for k, v in sorted(median[3].items()) if v / count >= 1)
+                print(f"  {mode}: CPU us per trajectory by thread: {parts}", flush=True)
     return 0
+
+
+def _skip_value_checks(traj: Trajectory) -> None:
+    traj.extras["oldest_version"] = None  # what validation would have found (the staleness gate admits it)
 
 
 if __name__ == "__main__":
