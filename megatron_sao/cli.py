@@ -5,6 +5,9 @@ config check FILE [...]                      validate only (exit 2 with the erro
 platform                                     list the CPU platform patches and whether they apply here
 smoke                                        build and train a tiny megatron-core MoE model for a few steps
 engine --model DIR --port N [...]            embedded CPU engine speaking SGLang's HTTP API (rollout/engine/)
+run CONFIG [--section.key VALUE ...]         the whole run on this machine: engines, rollout worker, learner
+learn CONFIG --engines URLS [...]            the learner loop (every rank; under torchrun / srun on clusters)
+rollout CONFIG --engines URLS [...]          one rollout worker pushing trajectories onto the bus
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {}
 
@@ -72,6 +76,65 @@ def _engine(ns: argparse.Namespace, rest: list[str]) -> int:
     from megatron_sao.rollout.engine.cli import main as engine_main
 
     return engine_main(rest)
+
+
+def _load(prog: str, rest: list[str], engines: bool) -> tuple[Any, argparse.Namespace, list[str]] | None:
+    from megatron_sao.config import ConfigError, load_config
+
+    p = argparse.ArgumentParser(prog=f"python -m megatron_sao {prog}")
+    p.add_argument("config", help="the run's YAML/TOML config")
+    if engines:
+        p.add_argument("--engines", default="", help="comma-separated engine URLs the learner pushes weights to")
+    args, overrides = p.parse_known_args(rest)
+    try:
+        return load_config(args.config, overrides), args, overrides
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+
+
+def _logging(cfg: Any) -> None:
+    import logging
+
+    logging.basicConfig(level=cfg.launch.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if cfg.launch.log_level != "debug":  # megatron lists every parameter of every DDP bucket at info
+        logging.getLogger("megatron").setLevel(logging.WARNING)
+
+
+@command("run")
+def _run(ns: argparse.Namespace, rest: list[str]) -> int:
+    loaded = _load("run", rest, engines=False)
+    if loaded is None:
+        return 2
+    cfg, args, overrides = loaded
+    _logging(cfg)
+    from megatron_sao.run.local import run_local
+
+    summary = run_local(cfg, args.config, overrides)
+    print(f"[run] done: {summary}", flush=True)
+    return 0
+
+
+@command("learn")
+def _learn(ns: argparse.Namespace, rest: list[str]) -> int:
+    loaded = _load("learn", rest, engines=True)
+    if loaded is None:
+        return 2
+    cfg, args, _ = loaded
+    _logging(cfg)
+    from megatron_sao.run.learn import learn
+
+    urls = [u for u in args.engines.split(",") if u] or list(cfg.rollout.engine_urls)
+    summary = learn(cfg, urls)
+    print(f"[learner] done: {summary}", flush=True)
+    return 0
+
+
+@command("rollout")
+def _rollout(ns: argparse.Namespace, rest: list[str]) -> int:
+    from megatron_sao.rollout.cli import main as rollout_main
+
+    return rollout_main(rest)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

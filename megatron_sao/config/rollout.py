@@ -116,4 +116,5 @@ class RolloutConfig(Section):
     """Period of the worker's throughput / engine-health log line (and of saving the prompt cursor)."""
 
     cursor_state: str | None = None
-    """File keeping the prompt cursor across restarts; None: <launch.run_dir>/rollout_cursor.json."""
+    """File keeping the prompt cursor across restarts; None: <launch.run_dir>/rollout_cursor.json (worker rollout-0;
+    rollout_cursor_<worker_id>.json for the others)."""

@@ -16,7 +16,7 @@ class WeightSyncConfig(Section):
     interval: int = Field(default=1, ge=1)
     """Push weights to the engines every `interval` policy steps."""
 
-    bucket_mb: int = Field(default=512, gt=0)
+    bucket_mb: float = Field(default=512, gt=0)
     """Tensors are broadcast in buckets of about this size."""
 
     master_addr: str = "127.0.0.1"

@@ -73,7 +73,7 @@ class _NotSent(ConnectionError):
 
 
 _LOST = (ConnectionError, http.client.HTTPException)  # reset, broken pipe, closed without (a complete) answer
-_IDEMPOTENT_POSTS = frozenset({P.ABORT_REQUEST, P.CONTINUE_GENERATION, P.FLUSH_CACHE})
+_IDEMPOTENT_POSTS = frozenset({P.ABORT_REQUEST, P.CONTINUE_GENERATION, P.FLUSH_CACHE, P.GET_WEIGHTS_BY_NAME})
 
 
 class EngineTimeout(TimeoutError):
@@ -260,6 +260,10 @@ class SGLangClient:
             "weight_version": None if weight_version is None else str(weight_version),
         }
         return self.request("POST", P.UPDATE_WEIGHTS_FROM_DISTRIBUTED, body)
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        """The first `truncate_size` rows of an engine weight (HF name) as float lists."""
+        return self.request("POST", P.GET_WEIGHTS_BY_NAME, {"name": name, "truncate_size": truncate_size})
 
     def destroy_weights_update_group(self, group_name: str) -> dict[str, Any]:
         return self.request("POST", P.DESTROY_WEIGHTS_UPDATE_GROUP, {"group_name": group_name})

@@ -38,6 +38,7 @@ INIT_WEIGHTS_UPDATE_GROUP = "/init_weights_update_group"
 DESTROY_WEIGHTS_UPDATE_GROUP = "/destroy_weights_update_group"
 UPDATE_WEIGHTS_FROM_DISTRIBUTED = "/update_weights_from_distributed"
 SERVER_INFO = "/server_info"
+GET_WEIGHTS_BY_NAME = "/get_weights_by_name"  # {"name", "truncate_size"=100} -> the first rows, as float lists
 
 SAMPLING_PARAM_FIELDS = (
     "max_new_tokens",

@@ -272,9 +272,12 @@ class RolloutWorker:
         self._save_cursor()
 
 
-def worker_from_config(cfg: SAOConfig, sink: TrajectorySink, engine_urls: list[str]) -> RolloutWorker:
+def worker_from_config(
+    cfg: SAOConfig, sink: TrajectorySink, engine_urls: list[str], worker_id: str = "rollout-0"
+) -> RolloutWorker:
     """A worker wired from the config tree: env + prompts (rollout.env), tokenizer (model.hf_path), router over
-    `engine_urls`, sampling / limits (rollout.*), G per prompt (algo.rollouts_per_prompt), cursor state file."""
+    `engine_urls`, sampling / limits (rollout.*), G per prompt (algo.rollouts_per_prompt), cursor state file
+    (rollout.cursor_state, else <run_dir>/rollout_cursor.json for rollout-0 and rollout_cursor_<id>.json for others)."""
     from transformers import AutoTokenizer
 
     from megatron_sao.rollout.agent_loop import AgentLoopConfig, ChatTemplateCodec
@@ -297,11 +300,13 @@ def worker_from_config(cfg: SAOConfig, sink: TrajectorySink, engine_urls: list[s
         router.generate,
         AgentLoopConfig(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, sampling=sampling),
     )
+    cursor_file = "rollout_cursor.json" if worker_id == "rollout-0" else f"rollout_cursor_{worker_id}.json"
     wcfg = WorkerConfig(
+        worker_id=worker_id,
         concurrency=r.concurrency,
         rollouts_per_prompt=cfg.algo.rollouts_per_prompt,
         max_attempts=r.max_episode_attempts,
         log_interval_s=r.log_interval_s,
-        state_path=r.cursor_state or str(Path(cfg.launch.run_dir) / "rollout_cursor.json"),
+        state_path=r.cursor_state or str(Path(cfg.launch.run_dir) / cursor_file),
     )
     return RolloutWorker(PromptCursor(records, epochs=None), loop, sink, wcfg, router)

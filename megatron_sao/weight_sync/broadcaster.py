@@ -131,7 +131,7 @@ class WeightBroadcaster:
         try:
             pending: list[tuple[str, torch.Tensor]] = []
             size = 0
-            limit = self.cfg.bucket_mb * 2**20
+            limit = int(self.cfg.bucket_mb * 2**20)
             for name, tensor in weights:
                 if pending and size + tensor.nbytes > limit:
                     self._bucket(pending, None)

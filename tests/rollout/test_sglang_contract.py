@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from megatron_sao.rollout import protocol as P
-from megatron_sao.rollout.client import SGLangClient
+from megatron_sao.rollout.client import EngineError, SGLangClient
 
 # io_struct.py `class GenerateReqInput` (dataclass) -- the request fields this project may send.
 GENERATE_REQ_INPUT_FIELDS = frozenset(
@@ -85,6 +85,7 @@ ROUTES = {
     "/init_weights_update_group": {"POST"},
     "/destroy_weights_update_group": {"POST"},
     "/update_weights_from_distributed": {"POST"},
+    "/get_weights_by_name": {"GET", "POST"},
 }
 # Canned responses in SGLang's shapes (0.5.23 with spans; an older server without them).
 SGLANG_0_5_23_RESPONSE = {
@@ -167,8 +168,13 @@ def test_embedded_engine_serves_the_pinned_routes(engine_url: str) -> None:
     assert set(ROUTES) <= served
     client = SGLangClient(engine_url)
     for path, methods in ROUTES.items():
-        if "GET" in methods and path not in ("/flush_cache",):
+        if "GET" in methods and path not in ("/flush_cache", "/get_weights_by_name"):
             client.request("GET", path)  # 2xx, else EngineError
+    rows = client.get_weights_by_name("model.embed_tokens.weight", truncate_size=2)
+    assert len(rows) == 2 and all(isinstance(x, float) for x in rows[0])
+    with pytest.raises(EngineError) as err:
+        client.get_weights_by_name("model.no_such.weight")
+    assert err.value.status == 400 and "no such weight" in str(err.value)
     info = client.request("GET", P.MODEL_INFO)
     assert {"model_path", "weight_version", "is_generation"} <= set(info)
     assert client.request("GET", P.GET_WEIGHT_VERSION) == {"weight_version": info["weight_version"]}

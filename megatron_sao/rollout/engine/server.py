@@ -64,6 +64,11 @@ class EngineState:
         if path == P.ABORT_REQUEST and method == "POST":
             s.abort(None if body.get("abort_all") else str(body.get("rid", "")))
             return 200, ""
+        if path == P.GET_WEIGHTS_BY_NAME and method in ("GET", "POST"):
+            try:
+                return 200, self.updater.get(str(body["name"]), int(body.get("truncate_size", 100)))
+            except (WeightUpdateError, KeyError, TypeError, ValueError) as e:
+                return 400, {"error": {"message": f"Get parameter by name failed: {e}"}}
         if path in (P.INIT_WEIGHTS_UPDATE_GROUP, P.DESTROY_WEIGHTS_UPDATE_GROUP, P.UPDATE_WEIGHTS_FROM_DISTRIBUTED):
             return self._weights(path, body)
         return 404, {"error": {"message": f"{method} {path} is not served by the embedded engine"}}

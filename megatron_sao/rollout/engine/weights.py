@@ -125,6 +125,14 @@ class WeightUpdater:
             return f"{name}: dtype {dtype} != model {view.dtype} (cast on the trainer side)", target
         return None, target
 
+    def get(self, name: str, truncate_size: int) -> list:
+        """The first `truncate_size` rows of weight `name` (HF name) as float lists (SGLang's /get_weights_by_name)."""
+        try:
+            target = resolve(name, self.tensors)
+        except KeyError:
+            raise WeightUpdateError(f"{name}: no such weight in the model (HF on-disk names)") from None
+        return target.view(self.tensors)[:truncate_size].float().tolist()
+
     def apply(self, update: ReceivedUpdate) -> None:
         """Copy a validated update into the model (called by the scheduler between forward passes)."""
         with torch.no_grad():

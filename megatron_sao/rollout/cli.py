@@ -1,0 +1,68 @@
+"""`python -m megatron_sao rollout CONFIG --engines URL[,URL...] [--worker-id ID] [--section.key VALUE ...]`: one
+rollout worker pushing every finished trajectory onto the bus (cfg.bus.connect_address) until SIGTERM / SIGINT or
+the prompts run out (called by cli.py; started by run/local.py, or by hand / srun on a cluster)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from typing import Any
+
+from megatron_sao.config import ConfigError, load_config
+
+
+class StoppableSink:
+    """The bus sender as the worker's sink, except that a send blocked by back-pressure gives up once `stop` is set
+    (the learner is gone or the run ends); what it drops is counted and, with bus.spool_dir, stays in the spool."""
+
+    def __init__(self, sender: Any, stop: threading.Event) -> None:
+        self.sender, self.stop, self.dropped = sender, stop, 0
+
+    def send(self, traj: Any) -> None:
+        while True:
+            try:
+                self.sender.send(traj, timeout_s=1.0)
+                return
+            except TimeoutError:
+                if self.stop.is_set():
+                    self.dropped += 1
+                    return
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m megatron_sao rollout")
+    p.add_argument("config", help="the run's YAML/TOML config")
+    p.add_argument("--engines", required=True, help="comma-separated engine URLs (http://HOST:PORT)")
+    p.add_argument("--worker-id", default="rollout-0", help="unique per worker: the bus de-duplicates per worker")
+    p.add_argument("--max-prompts", type=int, default=None, help="stop after this many prompts")
+    args, overrides = p.parse_known_args(argv)
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"error: {e}")
+        return 2
+    logging.basicConfig(
+        level=cfg.launch.log_level.upper(), format="%(asctime)s rollout %(name)s %(levelname)s %(message)s"
+    )
+    from megatron_sao.bus import TrajectorySender
+    from megatron_sao.rollout.worker import worker_from_config
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    urls = [u for u in args.engines.split(",") if u]
+    sender = TrajectorySender(cfg.bus, args.worker_id)
+    try:
+        sink = StoppableSink(sender, stop)
+        worker = worker_from_config(cfg, sink, urls, worker_id=args.worker_id)
+        status = worker.run(max_prompts=args.max_prompts, stop=stop)
+        logging.getLogger(__name__).info(
+            "rollout worker %s done: %s; %d finished trajectories not delivered (stopped while the bus was full)",
+            args.worker_id, status, sink.dropped,
+        )  # fmt: skip
+        sender.flush(timeout_s=5.0 if stop.is_set() else 60.0)
+    finally:
+        sender.close()
+    return 0

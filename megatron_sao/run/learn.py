@@ -1,0 +1,198 @@
+"""The learner's loop (every learner rank; `python -m megatron_sao learn CONFIG --engines URL[,URL...]`).
+
+    resume from learner.load / save_dir/latest (weights, optimizers, version, bus de-dup state), else load HF
+    rank 0: receive trajectories_per_step finished trajectories from the bus; every rank gets the same list
+    learner.train_step: K value updates, one DIS policy update (version += 1)
+    every weight_sync.interval versions: gather the policy as HF tensors, broadcast them to the engines
+    every learner.save_interval versions and at the end: checkpoint (with the bus state), then commit the bus
+    one progress line per step on rank 0, every metric in <run_dir>/metrics.jsonl
+
+Engines start from the HF weights (version 0); after a resume they get the checkpoint's weights before any new
+trajectory is taken, so the versions they tag tokens with are the learner's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from megatron_sao.bus.schema import Trajectory
+from megatron_sao.config.tree import SAOConfig
+
+log = logging.getLogger(__name__)
+
+WAIT_LOG_S = 30.0
+"""A learner waiting for trajectories says so this often (with what the bus saw)."""
+
+
+def _resume_path(cfg: SAOConfig) -> Path | None:
+    from megatron_sao.learner.checkpoint import LATEST
+
+    if cfg.learner.load:
+        return Path(cfg.learner.load)
+    if cfg.learner.save_dir and (Path(cfg.learner.save_dir) / LATEST).is_file():
+        return Path(cfg.learner.save_dir)
+    return None
+
+
+def _share(obj: Any) -> Any:
+    """Rank 0's object on every rank of the learner's world."""
+    if dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def sync_weights(learner: Any, broadcaster: Any, chunk_mb: float) -> dict[str, float]:
+    """Collective: every rank gathers, rank 0 pushes the policy to the engines at learner.version."""
+    import torch
+
+    from megatron_sao.weight_sync.export import hf_dtype_of, iter_hf_weights
+
+    assert learner.policy is not None
+    dtype_of = hf_dtype_of(learner.hf_source, torch.float32 if learner.spec.dtype == "fp32" else torch.bfloat16)
+    weights = iter_hf_weights(learner.policy.model, learner.spec, dtype_of, int(chunk_mb * 2**20))
+    if broadcaster is None:  # not rank 0: take part in the gathers
+        for _ in weights:
+            pass
+        return {}
+    return broadcaster.push(weights, learner.version)
+
+
+class MetricsLog:
+    """One JSON line per step in <run_dir>/metrics.jsonl (rank 0)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = path.open("a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(record, sort_keys=True) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _progress(step_s: float, batch: Sequence[Trajectory], metrics: dict[str, float], max_steps: int) -> str:
+    rewards = [t.header.reward for t in batch]
+    parts = [
+        f"step {int(metrics.get('step/version', 0))}/{max_steps}",
+        f"{len(batch)} traj",
+        f"reward {sum(rewards) / max(len(rewards), 1):.3f}",
+    ]
+    for key, label in (("dis/pg_loss", "pg_loss"), ("value/v_loss", "v_loss"), ("staleness/mean", "staleness")):
+        if key in metrics:
+            parts.append(f"{label} {metrics[key]:.4g}")
+    parts.append(f"{step_s:.1f}s")
+    return " | ".join(parts)
+
+
+def learn(cfg: SAOConfig, engine_urls: list[str], on_ready: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Train until learner.max_steps policy versions; returns rank 0's summary (final version, steps, paths).
+
+    `on_ready` runs on rank 0 once the receiver listens and the engines hold the learner's weights (after a resume:
+    once they were pushed), before the first trajectory is taken: run/local.py starts the rollout worker there, so
+    no token is generated with weights the learner never had."""
+    from megatron_sao.bus import TrajectoryReceiver
+    from megatron_sao.distributed.bootstrap import destroy_distributed, init_distributed
+    from megatron_sao.learner.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_sao.learner.learner import Learner
+    from megatron_sao.weight_sync import WeightBroadcaster
+
+    init_distributed(cfg.parallel, seed=cfg.learner.seed)
+    rank0 = dist.get_rank() == 0
+    learner = Learner(cfg)
+    resume = _resume_path(cfg)
+    extra: dict[str, Any] = {}
+    if resume is not None:
+        extra = load_checkpoint(learner, resume)
+        log.info("resumed from %s at version %d", resume, learner.version)
+    elif cfg.model.hf_path:
+        learner.load_hf(cfg.model.hf_path)
+    else:
+        raise ValueError("model.hf_path is not set and there is no checkpoint to resume: set model.hf_path")
+    run_dir = Path(cfg.launch.run_dir)
+    save_dir = cfg.learner.save_dir or str(run_dir / "checkpoints")
+    receiver = TrajectoryReceiver(cfg.bus, lambda: learner.version, state=extra.get("bus")) if rank0 else None
+    broadcaster = WeightBroadcaster(cfg.weight_sync, engine_urls) if rank0 and engine_urls else None
+    metrics_log = MetricsLog(run_dir / "metrics.jsonl") if rank0 else None
+    sync = cfg.weight_sync
+    steps = 0
+    saved_at = learner.version if resume is not None else -1
+    synced_at = 0  # engines start from the HF weights: version 0
+    try:
+        if engine_urls and learner.version > 0:  # give the engines the checkpoint's weights first
+            sync_weights(learner, broadcaster, sync.bucket_mb)
+            synced_at = learner.version
+        if learner.version >= cfg.learner.max_steps and rank0:
+            print(f"[learner] already at version {learner.version} >= learner.max_steps={cfg.learner.max_steps} "
+                  f"(resumed from {resume}); raise learner.max_steps to train on", flush=True)  # fmt: skip
+        elif rank0 and on_ready is not None:
+            on_ready()
+        while learner.version < cfg.learner.max_steps:
+            batch = _share(_receive(receiver, cfg.learner.trajectories_per_step) if rank0 else None)
+            t0 = time.monotonic()
+            metrics = learner.train_step(batch)
+            step_s = time.monotonic() - t0
+            steps += 1
+            # a skipped step (nothing trainable) leaves the version: nothing new to sync or save
+            if engine_urls and learner.version != synced_at and learner.version % sync.interval == 0:
+                metrics.update(sync_weights(learner, broadcaster, sync.bucket_mb))
+                synced_at = learner.version
+            due = learner.version % cfg.learner.save_interval == 0 or learner.version >= cfg.learner.max_steps
+            if due and learner.version != saved_at:
+                _save(learner, save_dir, receiver, save_checkpoint)
+                saved_at = learner.version
+            if rank0:
+                assert receiver is not None and metrics_log is not None
+                record = {"version": learner.version, "step_s": step_s, "time": time.time(), **metrics}
+                record.update({f"bus/{k}": v for k, v in receiver.metrics().items()})
+                metrics_log.write(record)
+                print(f"[learner] {_progress(step_s, batch, metrics, cfg.learner.max_steps)}", flush=True)
+        if saved_at != learner.version:
+            _save(learner, save_dir, receiver, save_checkpoint)
+    finally:
+        if broadcaster is not None:
+            try:
+                broadcaster.close()
+            except Exception as e:  # the run's result does not depend on a clean goodbye
+                log.warning("closing the weight update group: %r", e)
+        if receiver is not None:
+            receiver.close()
+        if metrics_log is not None:
+            metrics_log.close()
+    summary = {"version": learner.version, "steps": steps, "save_dir": save_dir, "run_dir": str(run_dir)}
+    destroy_distributed()
+    return summary
+
+
+def _receive(receiver: Any, n: int) -> list[Trajectory]:
+    """n accepted trajectories; says every WAIT_LOG_S that it is waiting (and what the bus has seen)."""
+    out: list[Trajectory] = []
+    while len(out) < n:
+        got = receiver.recv_batch(n - len(out), timeout_s=WAIT_LOG_S)
+        out += got
+        if len(out) < n and not got:
+            m = receiver.metrics()
+            log.warning(
+                "learner waiting for trajectories: %d of %d this step (bus: %d sessions, %d accepted, %d rejected)",
+                len(out), n, int(m.get("sessions", 0)), int(m.get("accepted", 0)), int(m.get("rejected", 0)),
+            )  # fmt: skip
+    return out
+
+
+def _save(learner: Any, save_dir: str, receiver: Any, save_checkpoint: Any) -> None:
+    """Checkpoint with rank 0's bus state in it, then tell the producers it is durable."""
+    bus_state = _share(receiver.state_dict() if receiver is not None else None)
+    path = save_checkpoint(learner, save_dir, extra={"bus": bus_state})
+    if receiver is not None:
+        receiver.commit()
+        log.info("checkpoint %s (version %d)", path, learner.version)

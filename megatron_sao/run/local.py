@@ -1,0 +1,90 @@
+"""launch.mode=local: the whole run on this machine (`python -m megatron_sao run CONFIG`, what ./launch.sh runs).
+
+    engines        rollout.num_engines processes (embedded CPU engine, or SGLang servers), or rollout.engine_urls
+    rollout worker one `python -m megatron_sao rollout` process pushing onto the bus
+    learner        this process (one rank), or torchrun with launch.nproc_per_node ranks
+Logs of the child processes go to <run_dir>/logs/. Whatever happens, the children are stopped on the way out.
+Running it again with the same run_dir resumes: the learner from save_dir/latest (with the bus state), the
+rollout worker from its prompt cursor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from megatron_sao.config.tree import SAOConfig
+from megatron_sao.rollout import sglang_launcher as engines
+
+log = logging.getLogger(__name__)
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def run_local(cfg: SAOConfig, config_path: str, overrides: list[str]) -> dict[str, Any]:
+    """Start engines and a rollout worker, train, stop everything; returns the learner's summary."""
+    if cfg.launch.mode != "local":
+        raise ValueError(f"launch.mode={cfg.launch.mode!r}: `run` starts everything on this machine; use launch.mode="
+                         "local, or launch.sh's Slurm path for launch.mode=slurm")  # fmt: skip
+    if not cfg.model.hf_path or not Path(cfg.model.hf_path).is_dir():
+        raise ValueError(f"model.hf_path={cfg.model.hf_path!r} is not a directory: point it at an HF model (for the "
+                         "tiny example: python tools/make_tiny_model.py --family qwen3_moe --out <dir>)")  # fmt: skip
+    run_dir = Path(cfg.launch.run_dir)
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    procs: list[engines.EngineProcess] = []
+    workers: list[subprocess.Popen[bytes]] = []
+    try:
+        commands = engines.engine_commands(cfg.rollout, cfg.model.hf_path)
+        urls = list(cfg.rollout.engine_urls) or [url for url, _ in commands]
+        if commands:
+            print(f"[run] starting {len(commands)} {cfg.rollout.engine} engine(s): {', '.join(urls)}", flush=True)
+            procs = engines.launch(commands, logs)
+            engines.wait_healthy(procs, cfg.rollout.health_timeout_s)
+        cmd = [sys.executable, "-m", "megatron_sao", "rollout", config_path, "--engines", ",".join(urls), *overrides]
+
+        def start_worker() -> None:
+            with open(logs / "rollout.log", "ab") as out:
+                workers.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_child_env()))
+            print(f"[run] rollout worker started (log: {logs / 'rollout.log'}); training", flush=True)
+
+        if cfg.launch.learner_world_size > 1:
+            start_worker()  # torchrun's ranks resume and push on their own; tokens before that are just stale
+            return _torchrun_learner(cfg, config_path, overrides, urls, logs)
+        from megatron_sao.run.learn import learn
+
+        return learn(cfg, urls, on_ready=start_worker)
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.terminate()
+                try:
+                    worker.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    worker.kill()
+                    worker.wait()
+        engines.stop(procs)
+
+
+def _torchrun_learner(
+    cfg: SAOConfig, config_path: str, overrides: list[str], urls: list[str], logs: Path
+) -> dict[str, Any]:
+    n = cfg.launch.nproc_per_node
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+           "-m", "megatron_sao", "learn", config_path, "--engines", ",".join(urls), *overrides]  # fmt: skip
+    print(f"[run] learner: torchrun with {n} ranks (rank logs: {logs})", flush=True)
+    t0 = time.monotonic()
+    rc = subprocess.call(cmd, env=_child_env())
+    if rc != 0:
+        raise RuntimeError(f"the learner (torchrun, {n} ranks) exited with {rc}")
+    return {"version": None, "seconds": time.monotonic() - t0}
