@@ -80,12 +80,12 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234, timeout_s: floa
         torch.cuda.set_device(platform.device)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            if world_size > 1:
-                raise RuntimeError("MASTER_PORT is not set; launch with torchrun or export MASTER_ADDR/MASTER_PORT")
+        if world_size == 1:  # nobody to meet: a free port, never one left in the environment by another process
             from megatron_sao.distributed.spawn import find_free_port
 
-            os.environ["MASTER_PORT"] = str(find_free_port())
+            os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(find_free_port())
+        elif "MASTER_PORT" not in os.environ:
+            raise RuntimeError("MASTER_PORT is not set; launch with torchrun or export MASTER_ADDR/MASTER_PORT")
         dist.init_process_group(
             backend=platform.dist_backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
         )

@@ -34,8 +34,8 @@ def _child_env() -> dict[str, str]:
 def run_local(cfg: SAOConfig, config_path: str, overrides: list[str]) -> dict[str, Any]:
     """Start engines and a rollout worker, train, stop everything; returns the learner's summary."""
     if cfg.launch.mode != "local":
-        raise ValueError(f"launch.mode={cfg.launch.mode!r}: `run` starts everything on this machine; use launch.mode="
-                         "local, or launch.sh's Slurm path for launch.mode=slurm")  # fmt: skip
+        raise ValueError(f"launch.mode={cfg.launch.mode!r}: `run` starts everything on this machine (launch.mode="
+                         "local); on a cluster start `learn` and `rollout` per node as docs/run.md shows")  # fmt: skip
     if not cfg.model.hf_path or not Path(cfg.model.hf_path).is_dir():
         raise ValueError(f"model.hf_path={cfg.model.hf_path!r} is not a directory: point it at an HF model (for the "
                          "tiny example: python tools/make_tiny_model.py --family qwen3_moe --out <dir>)")  # fmt: skip

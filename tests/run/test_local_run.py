@@ -5,6 +5,7 @@ and a second run on the same run_dir resumes (learner checkpoint with the bus st
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,8 @@ def _run(hf_dir: Path, run_dir: Path, ports: dict[str, int], max_steps: int) -> 
         "--rollout.base_port", str(ports["engine"]), "--bus.bind", f"tcp://127.0.0.1:{ports['bus']}",
         "--weight_sync.master_port", str(ports["sync"]),
     ]  # fmt: skip
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
 
 
 @pytest.mark.multiproc
