@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 WAIT_LOG_S = 30.0
 """A learner waiting for trajectories says so this often (with what the bus saw)."""
+RESYNC_AFTER_S = 5.0
+"""A learner that waited this long while the engines may lag it pushes its weights again (see _fill)."""
 
 
 def _resume_path(cfg: SAOConfig) -> Path | None:
@@ -63,7 +65,16 @@ def sync_weights(learner: Any, broadcaster: Any, chunk_mb: float) -> dict[str, f
         for _ in weights:
             pass
         return {}
-    return broadcaster.push(weights, learner.version)
+    from megatron_sao.weight_sync import WeightSyncError
+
+    try:
+        return broadcaster.push(weights, learner.version)
+    except WeightSyncError as e:
+        for _ in weights:  # the other ranks still walk every chunk: finish the gathers with them
+            pass
+        log.error("weight sync to the engines failed at version %d (training goes on; the next sync retries): %s",
+                  learner.version, e)  # fmt: skip
+        return {"sync/failed": 1.0}
 
 
 class MetricsLog:
@@ -129,24 +140,37 @@ def learn(cfg: SAOConfig, engine_urls: list[str], on_ready: Callable[[], None] |
     saved_at = learner.version if resume is not None else -1
     synced_at = 0  # engines start from the HF weights: version 0
     try:
+        retry = False  # a failed sync is retried at the next step, whatever the interval
+        held: list[Trajectory] = []  # rank 0: trajectories received for the next step
         if engine_urls and learner.version > 0:  # give the engines the checkpoint's weights first
-            sync_weights(learner, broadcaster, sync.bucket_mb)
-            synced_at = learner.version
+            result = _share(sync_weights(learner, broadcaster, sync.bucket_mb) or None) or {}
+            retry = bool(result.get("sync/failed"))
+            synced_at = learner.version if not retry else synced_at
         if learner.version >= cfg.learner.max_steps and rank0:
             print(f"[learner] already at version {learner.version} >= learner.max_steps={cfg.learner.max_steps} "
                   f"(resumed from {resume}); raise learner.max_steps to train on", flush=True)  # fmt: skip
         elif rank0 and on_ready is not None:
             on_ready()
         while learner.version < cfg.learner.max_steps:
-            batch = _share(_receive(receiver, cfg.learner.trajectories_per_step) if rank0 else None)
+            n = cfg.learner.trajectories_per_step
+            lagging = bool(engine_urls) and (retry or learner.version != synced_at)
+            batch = _share((held[:n] if _fill(receiver, held, n, lagging) else None) if rank0 else None)
+            if batch is None:  # waiting while trajectories came stale or not at all: the engines lag, push again
+                result = _share(sync_weights(learner, broadcaster, sync.bucket_mb) or None) or {}
+                retry = bool(result.get("sync/failed"))
+                synced_at = learner.version if not retry else synced_at
+                continue
+            del held[:n]
             t0 = time.monotonic()
             metrics = learner.train_step(batch)
             step_s = time.monotonic() - t0
             steps += 1
             # a skipped step (nothing trainable) leaves the version: nothing new to sync or save
-            if engine_urls and learner.version != synced_at and learner.version % sync.interval == 0:
-                metrics.update(sync_weights(learner, broadcaster, sync.bucket_mb))
-                synced_at = learner.version
+            if engine_urls and learner.version != synced_at and (retry or learner.version % sync.interval == 0):
+                result = _share(sync_weights(learner, broadcaster, sync.bucket_mb) or None) or {}
+                metrics.update(result)
+                retry = bool(result.get("sync/failed"))
+                synced_at = learner.version if not retry else synced_at
             due = learner.version % cfg.learner.save_interval == 0 or learner.version >= cfg.learner.max_steps
             if due and learner.version != saved_at:
                 _save(learner, save_dir, receiver, save_checkpoint)
@@ -174,19 +198,30 @@ def learn(cfg: SAOConfig, engine_urls: list[str], on_ready: Callable[[], None] |
     return summary
 
 
-def _receive(receiver: Any, n: int) -> list[Trajectory]:
-    """n accepted trajectories; says every WAIT_LOG_S that it is waiting (and what the bus has seen)."""
-    out: list[Trajectory] = []
-    while len(out) < n:
-        got = receiver.recv_batch(n - len(out), timeout_s=WAIT_LOG_S)
-        out += got
-        if len(out) < n and not got:
-            m = receiver.metrics()
+def _fill(receiver: Any, held: list[Trajectory], n: int, lagging: bool) -> bool:
+    """Receive into `held` until it holds n trajectories (True). Returns False, keeping what it took, when the
+    engines may lag the learner and the bus has brought nothing fresh for RESYNC_AFTER_S: the last weight push
+    failed (an engine was down), or trajectories keep arriving too stale to train on (an engine restarted with its
+    initial weights); the caller then pushes the weights again. Says every WAIT_LOG_S that it is waiting."""
+    waited = 0.0
+    stale0 = receiver.metrics().get("stale_dropped", 0.0)
+    while len(held) < n:
+        slice_s = RESYNC_AFTER_S if waited < WAIT_LOG_S else WAIT_LOG_S
+        got = receiver.recv_batch(n - len(held), timeout_s=slice_s)
+        held += got
+        if got or len(held) >= n:
+            continue
+        waited += slice_s
+        m = receiver.metrics()
+        if lagging or m.get("stale_dropped", 0.0) > stale0:
+            return False
+        if waited >= WAIT_LOG_S:
             log.warning(
-                "learner waiting for trajectories: %d of %d this step (bus: %d sessions, %d accepted, %d rejected)",
-                len(out), n, int(m.get("sessions", 0)), int(m.get("accepted", 0)), int(m.get("rejected", 0)),
+                "learner waiting for trajectories: %d of %d this step (bus: %d sessions, %d accepted, %d rejected, "
+                "%d dropped as stale)", len(held), n, int(m.get("sessions", 0)), int(m.get("accepted", 0)),
+                int(m.get("rejected", 0)), int(m.get("stale_dropped", 0)),
             )  # fmt: skip
-    return out
+    return True
 
 
 def _save(learner: Any, save_dir: str, receiver: Any, save_checkpoint: Any) -> None:

@@ -14,7 +14,9 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,7 @@ def run_local(cfg: SAOConfig, config_path: str, overrides: list[str]) -> dict[st
     logs.mkdir(parents=True, exist_ok=True)
     procs: list[engines.EngineProcess] = []
     workers: list[subprocess.Popen[bytes]] = []
+    supervisor: Supervisor | None = None
     try:
         commands = engines.engine_commands(cfg.rollout, cfg.model.hf_path)
         urls = list(cfg.rollout.engine_urls) or [url for url, _ in commands]
@@ -56,15 +59,23 @@ def run_local(cfg: SAOConfig, config_path: str, overrides: list[str]) -> dict[st
         def start_worker() -> None:
             with open(logs / "rollout.log", "ab") as out:
                 workers.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_child_env()))
+
+        def first_worker() -> None:
+            start_worker()
             print(f"[run] rollout worker started (log: {logs / 'rollout.log'}); training", flush=True)
 
+        supervisor = Supervisor(procs, dict(commands), workers, start_worker, logs)
+        supervisor.start()
         if cfg.launch.learner_world_size > 1:
-            start_worker()  # torchrun's ranks resume and push on their own; tokens before that are just stale
+            first_worker()  # torchrun's ranks resume and push on their own; tokens before that are just stale
             return _torchrun_learner(cfg, config_path, overrides, urls, logs)
         from megatron_sao.run.learn import learn
 
-        return learn(cfg, urls, on_ready=start_worker)
+        return learn(cfg, urls, on_ready=first_worker)
     finally:
+        if supervisor is not None:
+            supervisor.stop.set()
+            supervisor.join(10)
         for worker in workers:
             if worker.poll() is None:
                 worker.terminate()
@@ -74,6 +85,56 @@ def run_local(cfg: SAOConfig, config_path: str, overrides: list[str]) -> dict[st
                     worker.kill()
                     worker.wait()
         engines.stop(procs)
+
+
+class Supervisor(threading.Thread):
+    """Restarts an engine or the rollout worker that exits while the learner trains (up to MAX_RESTARTS each).
+
+    A restarted engine comes back with its initial weights; the learner's next weight push sees it healthy again
+    and forms the update group anew with it (weight_sync/broadcaster.py), and what it generates before that is
+    stale and gated like any other stale trajectory. A restarted worker resumes from its prompt cursor."""
+
+    MAX_RESTARTS = 5
+    POLL_S = 2.0
+
+    def __init__(
+        self,
+        procs: list[engines.EngineProcess],
+        commands: dict[str, list[str]],
+        workers: list[subprocess.Popen[bytes]],
+        start_worker: Callable[[], None],
+        logs: Path,
+    ) -> None:
+        super().__init__(name="sao-run-supervisor", daemon=True)
+        self.procs, self.commands, self.workers = procs, commands, workers
+        self.start_worker, self.logs = start_worker, logs
+        self.stop = threading.Event()
+        self.restarts: dict[str, int] = {}
+
+    def run(self) -> None:
+        while not self.stop.wait(self.POLL_S):
+            for i, p in enumerate(self.procs):
+                if p.proc.poll() is not None and self._may_restart(p.url, p.proc.returncode, p.log_tail(20)):
+                    with open(p.log_path, "ab") as out:
+                        proc = subprocess.Popen(self.commands[p.url], stdout=out, stderr=subprocess.STDOUT)
+                    self.procs[i] = engines.EngineProcess(p.url, proc, p.log_path)
+            if self.workers and self.workers[-1].poll() is not None:
+                tail = (self.logs / "rollout.log").read_text(errors="replace").splitlines()[-20:]
+                if self._may_restart("rollout worker", self.workers[-1].returncode, "\n".join(tail)):
+                    self.start_worker()
+
+    def _may_restart(self, what: str, code: int | None, tail: str) -> bool:
+        n = self.restarts.get(what, 0)
+        if n >= self.MAX_RESTARTS:
+            if n == self.MAX_RESTARTS:
+                log.error("%s exited (%s) again; not restarting it after %d restarts", what, code, n)
+                self.restarts[what] = n + 1
+            return False
+        self.restarts[what] = n + 1
+        log.error("%s exited with %s; restarting it (%d/%d). Its log ends:\n%s", what, code, n + 1,
+                  self.MAX_RESTARTS, tail)  # fmt: skip
+        print(f"[run] {what} exited with {code}; restarted ({n + 1}/{self.MAX_RESTARTS})", flush=True)
+        return True
 
 
 def _torchrun_learner(

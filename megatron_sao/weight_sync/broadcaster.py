@@ -1,7 +1,7 @@
 """Trainer side of the weight sync (learner rank 0): the update group with the engines and one push per version.
 
-    connect():  POST /init_weights_update_group to every engine (rank_offset 1, 1 + tp_0, ...) while joining the
-                group as rank 0 (group.py), backend nccl on GPU and gloo on CPU (weight_sync.backend).
+    connect():  POST /init_weights_update_group to every healthy engine (rank_offset 1, 1 + tp_0, ...) while
+                joining the group as rank 0 (group.py), backend nccl on GPU and gloo on CPU (weight_sync.backend).
     push(weights, version):
                 pause the engines (weight_sync.pause_mode), then bucket by bucket (weight_sync.bucket_mb):
                 POST /update_weights_from_distributed {names, dtypes, shapes} to every engine and broadcast each
@@ -75,6 +75,7 @@ class WeightBroadcaster:
         self.clients = [SGLangClient(u, timeout_s=timeout_s) for u in engine_urls]
         self.timeout_s = timeout_s
         self.group: Any = None
+        self.members: list[SGLangClient] = []  # the engines in the current group
         self.attempt = 0
         self.pushed_version: int | None = None
         self.stats: dict[str, float] = {}
@@ -91,17 +92,24 @@ class WeightBroadcaster:
             return 1
         return int(info.get("tp_size", 1)) if isinstance(info, dict) else 1
 
-    def connect(self) -> None:
+    def healthy(self) -> list[SGLangClient]:
+        """The engines answering /health now (asked in parallel)."""
+        ok = _in_threads({c.url: (lambda c=c: c.health(timeout_s=5.0)) for c in self.clients}, 15.0)
+        return [c for c in self.clients if ok.get(c.url) is True]
+
+    def connect(self, members: list[SGLangClient] | None = None) -> None:
+        """Form the group with `members` (default: every engine)."""
+        members = list(self.clients if members is None else members)
         port = self.cfg.master_port + self.attempt
         offsets, world = {}, 1
-        for c in self.clients:
+        for c in members:
             offsets[c.url] = world
             world += self._tp_size(c)
         name = f"{self.cfg.group_name}_{self.attempt}"
         calls = {
             c.url: (lambda c=c: c.init_weights_update_group(
                 self.cfg.master_addr, port, offsets[c.url], world, name, self.backend))
-            for c in self.clients
+            for c in members
         }  # fmt: skip
         box: dict[str, Any] = {}
 
@@ -115,14 +123,25 @@ class WeightBroadcaster:
             if "group" in box:
                 destroy_update_group(box["group"])
             raise WeightSyncError(f"could not form the weight update group on port {port}: " + _describe(failed))
-        self.group, self.group_name = box["group"], name
-        log.info("weight sync: update group %s with %d engines (world %d, %s)", name, len(self.clients), world,
-                 self.backend)  # fmt: skip
+        self.group, self.group_name, self.members = box["group"], name, members
+        log.info("weight sync: update group %s with %d of %d engines (world %d, %s)", name, len(members),
+                 len(self.clients), world, self.backend)  # fmt: skip
 
     def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
-        """Send every (HF name, tensor) to every engine and tag them with `version`; returns timing metrics."""
+        """Send every (HF name, tensor) to every healthy engine and tag them with `version`; returns metrics.
+
+        Engines that do not answer /health are left out (they keep generating with older weights, which the
+        staleness gate sees); when the healthy set changed since the group was formed (an engine died or came
+        back, e.g. restarted with its initial weights), the group is formed again first."""
+        healthy = self.healthy()
+        if not healthy:
+            raise WeightSyncError(f"no engine answers /health ({', '.join(c.url for c in self.clients)})")
+        if self.group is not None and [c.url for c in healthy] != [c.url for c in self.members]:
+            log.warning("weight sync: engines up changed (%s -> %s); forming the group again",
+                        [c.url for c in self.members], [c.url for c in healthy])  # fmt: skip
+            self._teardown()
         if self.group is None:
-            self.connect()
+            self.connect(healthy)
         t0 = time.monotonic()
         pause = self.cfg.pause_mode != "none"
         if pause:
@@ -164,7 +183,7 @@ class WeightBroadcaster:
             c.url: (lambda c=c: c.update_weights_from_distributed(
                 names, dtypes, shapes, group_name=self.group_name, weight_version=version,
                 flush_cache=self.cfg.flush_cache and last))
-            for c in self.clients
+            for c in self.members
         }  # fmt: skip
         box: dict[str, Any] = {}
 
@@ -181,7 +200,7 @@ class WeightBroadcaster:
             raise WeightSyncError(f"weight update (version {version}) failed: " + _describe({**failed, **refused}))
 
     def _each(self, fn: Callable[[SGLangClient], Any], what: str, raise_errors: bool = True) -> None:
-        results = _in_threads({c.url: (lambda c=c: fn(c)) for c in self.clients}, 120.0)
+        results = _in_threads({c.url: (lambda c=c: fn(c)) for c in self.members}, 120.0)
         failed = {k: v for k, v in results.items() if isinstance(v, BaseException)}
         if failed and raise_errors:
             raise WeightSyncError(f"{what} failed: " + _describe(failed))
@@ -193,22 +212,24 @@ class WeightBroadcaster:
         the next push reconnects on the next port."""
         group, self.group = self.group, None
         self.attempt += 1
+        if group is None:
+            return
         name = getattr(self, "group_name", None)
         if name is not None:
-            _in_threads({c.url: (lambda c=c: c.destroy_weights_update_group(name)) for c in self.clients}, 30.0)
-        if group is not None:
-            try:
-                destroy_update_group(group)
-            except Exception as e:  # a broken group may refuse to be destroyed; it is dropped either way
-                log.warning("weight sync: destroying the broken update group: %r", e)
+            _in_threads({c.url: (lambda c=c: c.destroy_weights_update_group(name)) for c in self.members}, 30.0)
+        try:
+            destroy_update_group(group)
+        except Exception as e:  # a broken group may refuse to be destroyed; it is dropped either way
+            log.warning("weight sync: destroying the broken update group: %r", e)
+        self.members = []
 
     def close(self) -> None:
         if self.group is None:
             return
         name = self.group_name
-        _in_threads({c.url: (lambda c=c: c.destroy_weights_update_group(name)) for c in self.clients}, 30.0)
+        _in_threads({c.url: (lambda c=c: c.destroy_weights_update_group(name)) for c in self.members}, 30.0)
         destroy_update_group(self.group)
-        self.group = None
+        self.group, self.members = None, []
 
 
 def _describe(errors: dict[str, Any]) -> str:

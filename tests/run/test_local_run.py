@@ -59,3 +59,44 @@ def test_run_trains_syncs_and_resumes(tiny_hf_dir: Any, tmp_path: Path) -> None:
     # resumed engines were given version 2 before training: every token of step 3 is version >= 2
     assert records[-1]["staleness/max"] <= 1.0
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter_0000003"
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_run_survives_an_engine_killed_mid_run(tiny_hf_dir: Any, tmp_path: Path) -> None:
+    """SIGKILL the engine after two steps: the run restarts it, the next weight push forms the group again with it,
+    and training reaches max_steps on its trajectories, the engine holding the last version."""
+    import signal
+    import time
+
+    hf_dir = tiny_hf_dir("qwen3_moe")
+    run_dir = tmp_path / "run"
+    ports = {"engine": find_free_port(), "bus": find_free_port(), "sync": find_free_port()}
+    cmd = [
+        sys.executable, "-m", "megatron_sao", "run", str(REPO / "examples" / "tiny_cpu" / "config.yaml"),
+        "--model.hf_path", str(hf_dir), "--launch.run_dir", str(run_dir), "--learner.max_steps", "8",
+        "--learner.save_dir", str(run_dir / "checkpoints"), "--learner.trajectories_per_step", "4",
+        "--rollout.concurrency", "4", "--rollout.sampling.max_new_tokens", "12", "--rollout.max_turns", "2",
+        "--rollout.base_port", str(ports["engine"]), "--bus.bind", f"tcp://127.0.0.1:{ports['bus']}",
+        "--weight_sync.master_port", str(ports["sync"]), "--rollout.request_timeout_s", "20",
+        "--bus.max_inflight", "4", "--bus.recv_queue_size", "4",  # few queued: later steps need the new engine
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+        time.sleep(0.5)
+    engine = subprocess.run(["pgrep", "-f", f"megatron_sao engine .*--port {ports['engine']}"], capture_output=True,
+                            text=True).stdout.split()  # fmt: skip
+    assert len(engine) == 1, engine
+    os.kill(int(engine[0]), signal.SIGKILL)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    assert "engine exited with" not in out or "restarted" in out
+    assert "restarted (1/5)" in out, out[-4000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert records[-1]["version"] == 8
+    syncs = [(r["version"], r.get("sync/version"), r.get("sync/failed")) for r in records]
+    assert records[-1].get("sync/version") == 8 and "sync/failed" not in records[-1], (syncs, out[-6000:])
