@@ -13,6 +13,7 @@ rollout CONFIG --engines URLS [...]          one rollout worker pushing trajecto
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -126,7 +127,8 @@ def _learn(ns: argparse.Namespace, rest: list[str]) -> int:
 
     urls = [u for u in args.engines.split(",") if u] or list(cfg.rollout.engine_urls)
     summary = learn(cfg, urls)
-    print(f"[learner] done: {summary}", flush=True)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[learner] done: {summary}", flush=True)
     return 0
 
 

@@ -85,7 +85,7 @@ class LearnerConfig(Section):
     """With value_on_separate_ranks: where the policy job's rank 0 receives the value job's advantages."""
 
     save_dir: str | None = None
-    """Directory for distributed checkpoints; None disables saving."""
+    """Directory for distributed checkpoints; None: <launch.run_dir>/checkpoints. The run resumes from its latest."""
 
     save_interval: int = Field(default=50, ge=1)
     """Policy steps between checkpoints."""

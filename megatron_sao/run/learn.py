@@ -33,13 +33,18 @@ RESYNC_AFTER_S = 5.0
 """A learner that waited this long while the engines may lag it pushes its weights again (see _fill)."""
 
 
+def checkpoint_dir(cfg: SAOConfig) -> Path:
+    """learner.save_dir, else <launch.run_dir>/checkpoints."""
+    return Path(cfg.learner.save_dir or Path(cfg.launch.run_dir) / "checkpoints")
+
+
 def _resume_path(cfg: SAOConfig) -> Path | None:
     from megatron_sao.learner.checkpoint import LATEST
 
     if cfg.learner.load:
         return Path(cfg.learner.load)
-    if cfg.learner.save_dir and (Path(cfg.learner.save_dir) / LATEST).is_file():
-        return Path(cfg.learner.save_dir)
+    if (checkpoint_dir(cfg) / LATEST).is_file():
+        return checkpoint_dir(cfg)
     return None
 
 
@@ -131,7 +136,7 @@ def learn(cfg: SAOConfig, engine_urls: list[str], on_ready: Callable[[], None] |
     else:
         raise ValueError("model.hf_path is not set and there is no checkpoint to resume: set model.hf_path")
     run_dir = Path(cfg.launch.run_dir)
-    save_dir = cfg.learner.save_dir or str(run_dir / "checkpoints")
+    save_dir = str(checkpoint_dir(cfg))
     receiver = TrajectoryReceiver(cfg.bus, lambda: learner.version, state=extra.get("bus")) if rank0 else None
     broadcaster = WeightBroadcaster(cfg.weight_sync, engine_urls) if rank0 and engine_urls else None
     metrics_log = MetricsLog(run_dir / "metrics.jsonl") if rank0 else None

@@ -105,3 +105,26 @@ def test_push_lands_exactly_and_a_refused_push_changes_nothing(start_engine: Any
     assert out["refused"] is not None and "shape" in out["refused"], out["refused"]
     assert out["v_after_refusal"] == 5 and out["unchanged"]
     assert out["v7"] == 7 and out["exact_again"] and out["attempt"] == 1
+
+
+def _group_member(port: int) -> list[float]:
+    import torch.distributed as dist
+
+    from megatron_sao.weight_sync.group import destroy_update_group, init_update_group
+
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # what torchrun sets in the learner's ranks
+    rank = int(os.environ["RANK"])
+    group = init_update_group("gloo", "127.0.0.1", port, 2, rank, "sync_test", 60.0)
+    t = torch.arange(3, dtype=torch.float32) * (7.0 if rank == 0 else 0.0)
+    dist.broadcast(t, src=0, group=group)
+    destroy_update_group(group)
+    return t.tolist()
+
+
+@pytest.mark.multiproc
+def test_update_group_forms_under_torchrun() -> None:
+    """Under torchrun, torch's tcp:// rendezvous makes rank 0 a client of the elastic agent's store: the learner's
+    rank 0 must still host the update group's store (the trainer hung 300 s before)."""
+    from megatron_sao.distributed.spawn import find_free_port
+
+    assert spawn_ranks(_group_member, 2, find_free_port(), timeout_s=120) == [[0.0, 7.0, 14.0]] * 2
