@@ -80,6 +80,7 @@ def _engine(ns: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _load(prog: str, rest: list[str], engines: bool) -> tuple[Any, argparse.Namespace, list[str]] | None:
+    """(config, parsed args, dotted overrides) with logging set up from the config; None after printing an error."""
     from megatron_sao.config import ConfigError, load_config
 
     p = argparse.ArgumentParser(prog=f"python -m megatron_sao {prog}")
@@ -88,18 +89,16 @@ def _load(prog: str, rest: list[str], engines: bool) -> tuple[Any, argparse.Name
         p.add_argument("--engines", default="", help="comma-separated engine URLs the learner pushes weights to")
     args, overrides = p.parse_known_args(rest)
     try:
-        return load_config(args.config, overrides), args, overrides
+        cfg = load_config(args.config, overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return None
-
-
-def _logging(cfg: Any) -> None:
     import logging
 
     logging.basicConfig(level=cfg.launch.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if cfg.launch.log_level != "debug":  # megatron lists every parameter of every DDP bucket at info
         logging.getLogger("megatron").setLevel(logging.WARNING)
+    return cfg, args, overrides
 
 
 @command("run")
@@ -108,7 +107,6 @@ def _run(ns: argparse.Namespace, rest: list[str]) -> int:
     if loaded is None:
         return 2
     cfg, args, overrides = loaded
-    _logging(cfg)
     from megatron_sao.run.local import run_local
 
     summary = run_local(cfg, args.config, overrides)
@@ -122,7 +120,6 @@ def _learn(ns: argparse.Namespace, rest: list[str]) -> int:
     if loaded is None:
         return 2
     cfg, args, _ = loaded
-    _logging(cfg)
     from megatron_sao.run.learn import learn
 
     urls = [u for u in args.engines.split(",") if u] or list(cfg.rollout.engine_urls)
