@@ -107,9 +107,14 @@ def _run(ns: argparse.Namespace, rest: list[str]) -> int:
     if loaded is None:
         return 2
     cfg, args, overrides = loaded
+    from megatron_sao.rollout.sglang_launcher import EngineStartError
     from megatron_sao.run.local import run_local
 
-    summary = run_local(cfg, args.config, overrides)
+    try:
+        summary = run_local(cfg, args.config, overrides)
+    except (ValueError, EngineStartError) as e:  # a setting to fix (named in the message) or an engine that failed
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"[run] done: {summary}", flush=True)
     return 0
 
