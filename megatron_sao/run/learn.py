@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from megatron_sao.bus.schema import Trajectory
 from megatron_sao.config.tree import SAOConfig
+from megatron_sao.config.weight_sync import WeightSyncConfig
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,34 @@ def sync_weights(learner: Any, broadcaster: Any, chunk_mb: float) -> dict[str, f
         log.error("weight sync to the engines failed at version %d (training goes on; the next sync retries): %s",
                   learner.version, e)  # fmt: skip
         return {"sync/failed": 1.0}
+
+
+class EngineWeights:
+    """Which policy version the engines hold, as far as the learner knows, and when to push (every rank alike)."""
+
+    def __init__(self, learner: Any, broadcaster: Any, cfg: WeightSyncConfig, enabled: bool) -> None:
+        self.learner, self.broadcaster, self.cfg, self.enabled = learner, broadcaster, cfg, enabled
+        self.version = 0  # engines start from the HF weights
+        self.failed = False  # the last push failed: retried at the next step, whatever the interval
+
+    @property
+    def lagging(self) -> bool:
+        return self.enabled and (self.failed or self.learner.version != self.version)
+
+    @property
+    def due(self) -> bool:
+        v = self.learner.version
+        return self.enabled and v != self.version and (self.failed or v % self.cfg.interval == 0)
+
+    def push(self) -> dict[str, float]:
+        """Collective: push the learner's weights (rank 0 talks to the engines); the same metrics on every rank."""
+        result: dict[str, float] = (
+            _share(sync_weights(self.learner, self.broadcaster, self.cfg.bucket_mb) or None) or {}
+        )
+        self.failed = bool(result.get("sync/failed"))
+        if not self.failed:
+            self.version = self.learner.version
+        return result
 
 
 class MetricsLog:
@@ -140,17 +169,13 @@ def learn(cfg: SAOConfig, engine_urls: list[str], on_ready: Callable[[], None] |
     receiver = TrajectoryReceiver(cfg.bus, lambda: learner.version, state=extra.get("bus")) if rank0 else None
     broadcaster = WeightBroadcaster(cfg.weight_sync, engine_urls) if rank0 and engine_urls else None
     metrics_log = MetricsLog(run_dir / "metrics.jsonl") if rank0 else None
-    sync = cfg.weight_sync
+    engines = EngineWeights(learner, broadcaster, cfg.weight_sync, enabled=bool(engine_urls))
     steps = 0
     saved_at = learner.version if resume is not None else -1
-    synced_at = 0  # engines start from the HF weights: version 0
     try:
-        retry = False  # a failed sync is retried at the next step, whatever the interval
         held: list[Trajectory] = []  # rank 0: trajectories received for the next step
-        if engine_urls and learner.version > 0:  # give the engines the checkpoint's weights first
-            result = _share(sync_weights(learner, broadcaster, sync.bucket_mb) or None) or {}
-            retry = bool(result.get("sync/failed"))
-            synced_at = learner.version if not retry else synced_at
+        if engines.enabled and learner.version > 0:  # give the engines the checkpoint's weights first
+            engines.push()
         if learner.version >= cfg.learner.max_steps and rank0:
             print(f"[learner] already at version {learner.version} >= learner.max_steps={cfg.learner.max_steps} "
                   f"(resumed from {resume}); raise learner.max_steps to train on", flush=True)  # fmt: skip
@@ -158,24 +183,17 @@ def learn(cfg: SAOConfig, engine_urls: list[str], on_ready: Callable[[], None] |
             on_ready()
         while learner.version < cfg.learner.max_steps:
             n = cfg.learner.trajectories_per_step
-            lagging = bool(engine_urls) and (retry or learner.version != synced_at)
-            batch = _share((held[:n] if _fill(receiver, held, n, lagging) else None) if rank0 else None)
+            batch = _share((held[:n] if _fill(receiver, held, n, engines.lagging) else None) if rank0 else None)
             if batch is None:  # waiting while trajectories came stale or not at all: the engines lag, push again
-                result = _share(sync_weights(learner, broadcaster, sync.bucket_mb) or None) or {}
-                retry = bool(result.get("sync/failed"))
-                synced_at = learner.version if not retry else synced_at
+                engines.push()
                 continue
             del held[:n]
             t0 = time.monotonic()
             metrics = learner.train_step(batch)
             step_s = time.monotonic() - t0
             steps += 1
-            # a skipped step (nothing trainable) leaves the version: nothing new to sync or save
-            if engine_urls and learner.version != synced_at and (retry or learner.version % sync.interval == 0):
-                result = _share(sync_weights(learner, broadcaster, sync.bucket_mb) or None) or {}
-                metrics.update(result)
-                retry = bool(result.get("sync/failed"))
-                synced_at = learner.version if not retry else synced_at
+            if engines.due:  # a skipped step (nothing trainable) leaves the version: nothing new to push or save
+                metrics.update(engines.push())
             due = learner.version % cfg.learner.save_interval == 0 or learner.version >= cfg.learner.max_steps
             if due and learner.version != saved_at:
                 _save(learner, save_dir, receiver, save_checkpoint)
