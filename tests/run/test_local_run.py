@@ -100,3 +100,29 @@ def test_run_survives_an_engine_killed_mid_run(tiny_hf_dir: Any, tmp_path: Path)
     assert records[-1]["version"] == 8
     syncs = [(r["version"], r.get("sync/version"), r.get("sync/failed")) for r in records]
     assert records[-1].get("sync/version") == 8 and "sync/failed" not in records[-1], (syncs, out[-6000:])
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_tiny_example_learns_its_task(tiny_hf_dir: Any, tmp_path: Path) -> None:
+    """examples/tiny_cpu as shipped (style markers, 40 versions): the reward the engines' rollouts earn climbs, i.e.
+    the trajectories, the SAO step and the weight pushes together optimize the policy the engines sample from."""
+    import statistics
+
+    run_dir = tmp_path / "run"
+    ports = {"engine": find_free_port(), "bus": find_free_port(), "sync": find_free_port()}
+    cmd = [
+        sys.executable, "-m", "megatron_sao", "run", str(REPO / "examples" / "tiny_cpu" / "config.yaml"),
+        "--model.hf_path", str(tiny_hf_dir("qwen3_moe")), "--launch.run_dir", str(run_dir),
+        "--rollout.base_port", str(ports["engine"]), "--bus.bind", f"tcp://127.0.0.1:{ports['bus']}",
+        "--weight_sync.master_port", str(ports["sync"]),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rewards = [
+        float(line.split("| reward ")[1].split(" |")[0]) for line in done.stdout.splitlines() if "| reward " in line
+    ]
+    assert len(rewards) == 40
+    first, last = statistics.mean(rewards[:8]), statistics.mean(rewards[-8:])
+    assert last >= 0.6 and last >= first + 0.3, rewards
