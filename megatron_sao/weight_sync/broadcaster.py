@@ -77,12 +77,6 @@ class WeightBroadcaster:
         self.group: Any = None
         self.members: list[SGLangClient] = []  # the engines in the current group
         self.attempt = 0
-        self.pushed_version: int | None = None
-        self.stats: dict[str, float] = {}
-
-    @property
-    def connected(self) -> bool:
-        return self.group is not None
 
     def _tp_size(self, client: SGLangClient) -> int:
         """Ranks an engine puts in the group: its tensor-parallel size (SGLang reports tp_size; embedded: 1)."""
@@ -144,10 +138,10 @@ class WeightBroadcaster:
             self.connect(healthy)
         t0 = time.monotonic()
         pause = self.cfg.pause_mode != "none"
-        if pause:
-            self._each(lambda c: c.pause_generation(self.cfg.pause_mode), "pause_generation")
         tensors = nbytes = buckets = 0
         try:
+            if pause:
+                self._each(lambda c: c.pause_generation(self.cfg.pause_mode), "pause_generation")
             pending: list[tuple[str, torch.Tensor]] = []
             size = 0
             limit = int(self.cfg.bucket_mb * 2**20)
@@ -168,11 +162,8 @@ class WeightBroadcaster:
         finally:
             if pause:
                 self._each(lambda c: c.continue_generation(), "continue_generation", raise_errors=False)
-        self.pushed_version = version
-        dt = time.monotonic() - t0
-        self.stats = {"sync/seconds": dt, "sync/tensors": float(tensors), "sync/bytes": float(nbytes),
-                      "sync/buckets": float(buckets), "sync/version": float(version)}  # fmt: skip
-        return self.stats
+        return {"sync/seconds": time.monotonic() - t0, "sync/tensors": float(tensors), "sync/bytes": float(nbytes),
+                "sync/buckets": float(buckets), "sync/version": float(version)}  # fmt: skip
 
     def _bucket(self, items: list[tuple[str, torch.Tensor]], version: int | None) -> None:
         names = [n for n, _ in items]
@@ -185,13 +176,14 @@ class WeightBroadcaster:
                 flush_cache=self.cfg.flush_cache and last))
             for c in self.members
         }  # fmt: skip
-        box: dict[str, Any] = {}
+        # NCCL sends from this rank's GPU; the CUDA device is per thread, so the sending thread sets it again
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
 
         def send() -> None:
-            device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
+            if device is not None:
+                torch.cuda.set_device(device)
             for _, tensor in items:
                 dist.broadcast(tensor if device is None else tensor.to(device), src=0, group=self.group)
-            box["sent"] = True
 
         results = _in_threads({**calls, "trainer": send}, self.timeout_s)
         failed = {k: v for k, v in results.items() if isinstance(v, BaseException)}
