@@ -31,16 +31,14 @@ def command(name: str) -> Callable[[Callable[[argparse.Namespace, list[str]], in
 
 @command("config")
 def _config(ns: argparse.Namespace, rest: list[str]) -> int:
-    from megatron_sao.config import ConfigError, config_to_yaml, load_config
+    from megatron_sao.config import config_to_yaml
 
     p = argparse.ArgumentParser(prog="python -m megatron_sao config")
     p.add_argument("action", choices=["show", "check"])
     p.add_argument("file", nargs="?", help="YAML or TOML config; omit for the defaults")
     args, overrides = p.parse_known_args(rest)
-    try:
-        cfg = load_config(args.file, overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    cfg = _read_config(args.file, overrides)
+    if cfg is None:
         return 2
     if args.action == "show":
         print(config_to_yaml(cfg), end="")
@@ -79,19 +77,26 @@ def _engine(ns: argparse.Namespace, rest: list[str]) -> int:
     return engine_main(rest)
 
 
-def _load(prog: str, rest: list[str], engines: bool) -> tuple[Any, argparse.Namespace, list[str]] | None:
-    """(config, parsed args, dotted overrides) with logging set up from the config; None after printing an error."""
+def _read_config(path: str | None, overrides: list[str]) -> Any:
+    """The resolved config, or None after printing the error (which names the field and the fix)."""
     from megatron_sao.config import ConfigError, load_config
 
+    try:
+        return load_config(path, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+
+
+def _load(prog: str, rest: list[str], engines: bool) -> tuple[Any, argparse.Namespace, list[str]] | None:
+    """(config, parsed args, dotted overrides) with logging set up from the config; None after printing an error."""
     p = argparse.ArgumentParser(prog=f"python -m megatron_sao {prog}")
     p.add_argument("config", help="the run's YAML/TOML config")
     if engines:
         p.add_argument("--engines", default="", help="comma-separated engine URLs the learner pushes weights to")
     args, overrides = p.parse_known_args(rest)
-    try:
-        cfg = load_config(args.config, overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    cfg = _read_config(args.config, overrides)
+    if cfg is None:
         return None
     import logging
 
