@@ -204,6 +204,20 @@ class SGLangClient:
                 raise
         return self.request("GET", P.GET_MODEL_INFO, timeout_s=10.0)
 
+    def server_info(self) -> dict[str, Any]:
+        """/server_info (0.5.6+), falling back to the older /get_server_info."""
+        try:
+            return self.request("GET", P.SERVER_INFO, timeout_s=30.0)
+        except EngineError as e:
+            if e.status != 404:
+                raise
+        return self.request("GET", P.GET_SERVER_INFO, timeout_s=30.0)
+
+    def protocol(self) -> P.ServerProtocol:
+        """The weight-update protocol this engine speaks (from its /server_info version); ValueError when it does
+        not say."""
+        return P.ServerProtocol.from_server_info(self.server_info(), self.url)
+
     def weight_version(self) -> int:
         """Current weight version: /model_info's weight_version, else the older /get_weight_version."""
         info = self.model_info()
@@ -250,8 +264,12 @@ class SGLangClient:
         group_name: str,
         weight_version: int | str | None = None,
         flush_cache: bool = True,
+        load_format: str | None = None,
+        timeout_s: float | None = None,
     ) -> dict[str, Any]:
-        body = {
+        """One update: the engine receives `names` from the group's rank 0 (one broadcast per tensor, or one for the
+        whole bucket with load_format="flattened_bucket", SGLang >= 0.5.6) and loads them."""
+        body: dict[str, Any] = {
             "names": names,
             "dtypes": dtypes,
             "shapes": shapes,
@@ -259,7 +277,29 @@ class SGLangClient:
             "flush_cache": flush_cache,
             "weight_version": None if weight_version is None else str(weight_version),
         }
-        return self.request("POST", P.UPDATE_WEIGHTS_FROM_DISTRIBUTED, body)
+        if load_format is not None:  # the field exists from 0.5.6 on; older servers never get it
+            body["load_format"] = load_format
+        return self.request("POST", P.UPDATE_WEIGHTS_FROM_DISTRIBUTED, body, timeout_s=timeout_s)
+
+    def begin_weight_update(self) -> dict[str, Any]:
+        """Open the weight-update session updates must run in (SGLang >= 0.5.21)."""
+        return self.request("POST", P.BEGIN_WEIGHT_UPDATE, {}, timeout_s=120.0)
+
+    def end_weight_update(self) -> dict[str, Any]:
+        """Close the session (SGLang finalizes the loaded weights; the embedded engine commits its staged push)."""
+        return self.request("POST", P.END_WEIGHT_UPDATE, {}, timeout_s=600.0)
+
+    def update_weight_version(self, version: int | str, abort_all_requests: bool = False) -> dict[str, Any]:
+        body = {"new_version": str(version), "abort_all_requests": abort_all_requests}
+        return self.request("POST", P.UPDATE_WEIGHT_VERSION, body, timeout_s=60.0)
+
+    def weights_checksum(self, skip_tensor_list: list[str] | None = None) -> dict[str, Any]:
+        """/weights_checker {action: checksum} (SGLang >= 0.5.6): {"success", "ranks": [{"checksums",
+        "per_gpu_checksum", "parallelism_info"}], "per_engine_checksum"}."""
+        body: dict[str, Any] = {"action": "checksum"}
+        if skip_tensor_list:
+            body["skip_tensor_list"] = list(skip_tensor_list)
+        return self.request("POST", P.WEIGHTS_CHECKER, body, timeout_s=600.0, idempotent=True)
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         """The first `truncate_size` rows of an engine weight (HF name) as float lists."""

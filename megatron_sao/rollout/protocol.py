@@ -1,6 +1,7 @@
-"""SGLang's native HTTP API as the project uses it: endpoint paths, the /generate request body and the parsed
-/generate response (owned by rollout/; client.py sends and parses with it, engine/server.py answers in the same
-shape; tests/rollout/test_sglang_contract.py pins every field against SGLang's source).
+"""SGLang's native HTTP API as the project uses it: endpoint paths, the /generate request body, the parsed
+/generate response and the weight-update protocol of each SGLang version (owned by rollout/; client.py sends and
+parses with it, engine/server.py answers in the same shape; tests/rollout/test_sglang_contract.py pins every field
+against SGLang's source).
 
 Field definitions read from SGLang 0.5.23 (PyPI wheel): `GenerateReqInput` and `UpdateWeightsFromDistributedReqInput`
 & friends in python/sglang/srt/managers/io_struct.py, the routes in srt/entrypoints/http_server.py, meta_info built
@@ -39,6 +40,11 @@ DESTROY_WEIGHTS_UPDATE_GROUP = "/destroy_weights_update_group"
 UPDATE_WEIGHTS_FROM_DISTRIBUTED = "/update_weights_from_distributed"
 SERVER_INFO = "/server_info"
 GET_WEIGHTS_BY_NAME = "/get_weights_by_name"  # {"name", "truncate_size"=100} -> the first rows, as float lists
+GET_SERVER_INFO = "/get_server_info"  # older spelling of /server_info (before 0.5.6)
+BEGIN_WEIGHT_UPDATE = "/begin_weight_update"  # 0.5.21+: opens the session updates must run in
+END_WEIGHT_UPDATE = "/end_weight_update"  # 0.5.21+: closes it (finalizes the loaded weights)
+UPDATE_WEIGHT_VERSION = "/update_weight_version"  # {"new_version", "abort_all_requests"=True}
+WEIGHTS_CHECKER = "/weights_checker"  # 0.5.6+: {"action": "checksum", "skip_tensor_list"} -> per-rank checksums
 
 SAMPLING_PARAM_FIELDS = (
     "max_new_tokens",
@@ -168,3 +174,101 @@ def parse_generate_response(body: dict[str, Any], *, expect_logprobs: bool = Tru
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         text=body.get("text"),
     )
+
+
+# ---- the weight-update protocol, by server version ----------------------------------------------------------------
+# Read from the PyPI wheels of every 0.5.x release from 0.5.2 to 0.5.23 (docs/weight_sync.md "SGLang versions"):
+#   0.5.6   /update_weights_from_distributed takes load_format="flattened_bucket" (one uint8 buffer, one broadcast);
+#           /pause_generation takes mode abort|retract|in_place (before: it always aborts every request);
+#           /server_info (before: /get_server_info) and /weights_checker appear.
+#   0.5.19  /generate's meta_info.weight_versions: per-token version spans.
+#   0.5.21  updates must run inside a session: /begin_weight_update ... /end_weight_update ("must run between").
+#   0.5.22  a cache flush refused because requests run fails the update call ("Weights were updated, but the cache
+#           was not flushed"); before, the scheduler asserts "Cache flush failed after updating weights" and dies.
+FLATTENED_BUCKET_SINCE = (0, 5, 6)
+PAUSE_MODES_SINCE = (0, 5, 6)
+WEIGHTS_CHECKER_SINCE = (0, 5, 6)
+SERVER_INFO_SINCE = (0, 5, 6)
+VERSION_SPANS_SINCE = (0, 5, 19)
+SESSION_SINCE = (0, 5, 21)
+FLUSH_REFUSAL_FAILS_SINCE = (0, 5, 22)
+EMBEDDED_ENGINE = "megatron_sao.embedded"
+"""/server_info's "engine" of the embedded CPU engine (it also reports the SGLang version whose rules it follows)."""
+
+
+def parse_version(version: str) -> tuple[int, int, int]:
+    """'0.5.23' / '0.5.6.post2' / '0.5.24rc1' / '0.5.24.dev3+gabc' -> (0, 5, 23) ...; ValueError otherwise."""
+    parts = []
+    for piece in str(version).split(".")[:3]:
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        parts.append(int(digits))
+    if len(parts) < 2:
+        raise ValueError(f"SGLang version {version!r} is not of the form MAJOR.MINOR.PATCH")
+    return (parts[0], parts[1], parts[2] if len(parts) > 2 else 0)
+
+
+@dataclass(frozen=True)
+class ServerProtocol:
+    """What an engine's weight-update protocol allows, decided from its /server_info `version` (and `engine`).
+
+    `staged` is the embedded engine's own guarantee (with a session): it receives every update of a session into
+    a staging area and switches weights and weight_version together at one decode-step boundary when the session
+    ends, so a push cut anywhere leaves it serving the previous weights. A real SGLang server loads each update
+    into the live model; a push that failed part-way leaves it "partially updated" (its words), so it must not
+    serve until a complete push lands."""
+
+    version: str
+    embedded: bool = False
+
+    @property
+    def release(self) -> tuple[int, int, int]:
+        return parse_version(self.version)
+
+    @property
+    def flattened_bucket(self) -> bool:
+        return self.release >= FLATTENED_BUCKET_SINCE
+
+    @property
+    def pause_modes(self) -> tuple[str, ...]:
+        return ("abort", "retract", "in_place") if self.release >= PAUSE_MODES_SINCE else ("abort",)
+
+    @property
+    def weights_checker(self) -> bool:
+        return self.release >= WEIGHTS_CHECKER_SINCE
+
+    @property
+    def server_info_route(self) -> bool:
+        """/server_info exists (before: only /get_server_info)."""
+        return self.release >= SERVER_INFO_SINCE
+
+    @property
+    def version_spans(self) -> bool:
+        return self.release >= VERSION_SPANS_SINCE
+
+    @property
+    def session(self) -> bool:
+        return self.release >= SESSION_SINCE
+
+    @property
+    def flush_refusal_fails(self) -> bool:
+        """True: a refused post-update flush fails the call; False: the server's scheduler dies on it."""
+        return self.release >= FLUSH_REFUSAL_FAILS_SINCE
+
+    @property
+    def staged(self) -> bool:
+        return self.embedded and self.session
+
+    @classmethod
+    def from_server_info(cls, info: dict[str, Any], url: str = "") -> ServerProtocol:
+        version = info.get("version") if isinstance(info, dict) else None
+        if not version:
+            raise ValueError(f"engine {url}: /server_info carries no 'version'; cannot tell its weight-update protocol")
+        proto = cls(str(version), embedded=info.get("engine") == EMBEDDED_ENGINE)
+        proto.release  # noqa: B018 - raises ValueError on a version that does not parse
+        return proto

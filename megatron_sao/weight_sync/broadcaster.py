@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_sao.config.weight_sync import WeightSyncConfig
+from megatron_sao.distributed.update_group import destroy_update_group, init_update_group
 from megatron_sao.rollout.client import EngineError, SGLangClient
-from megatron_sao.weight_sync.group import destroy_update_group, init_update_group
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +142,7 @@ class WeightBroadcaster:
         try:
             if pause:
                 self._each(lambda c: c.pause_generation(self.cfg.pause_mode), "pause_generation")
+            self._each(lambda c: c.begin_weight_update() if c.protocol().session else None, "begin_weight_update")
             pending: list[tuple[str, torch.Tensor]] = []
             size = 0
             limit = int(self.cfg.bucket_mb * 2**20)
@@ -156,8 +157,11 @@ class WeightBroadcaster:
                 nbytes += tensor.nbytes
             self._bucket(pending, version)  # the last one (possibly empty) carries the version
             buckets += 1
+            self._each(lambda c: c.end_weight_update() if c.protocol().session else None, "end_weight_update")
         except BaseException:
-            self._teardown()
+            self._teardown()  # destroying the groups discards what the engines staged
+            self._each(lambda c: c.end_weight_update() if c.protocol().session else None, "end_weight_update",
+                       raise_errors=False)  # fmt: skip
             raise
         finally:
             if pause:
@@ -173,7 +177,7 @@ class WeightBroadcaster:
         calls = {
             c.url: (lambda c=c: c.update_weights_from_distributed(
                 names, dtypes, shapes, group_name=self.group_name, weight_version=version,
-                flush_cache=self.cfg.flush_cache and last))
+                flush_cache=self.cfg.flush_cache and last and self.cfg.pause_mode in ("abort", "retract")))
             for c in self.members
         }  # fmt: skip
         # NCCL sends from this rank's GPU; the CUDA device is per thread, so the sending thread sets it again

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from megatron_sao.distributed.spawn import find_free_port, spawn_ranks
+from megatron_sao.distributed.update_group import destroy_update_group
 from megatron_sao.models.tiny import build_tiny_tokenizer
 from megatron_sao.rollout import protocol as P
 from megatron_sao.rollout.agent_loop import AgentLoop, AgentLoopConfig, ChatTemplateCodec
@@ -19,50 +20,20 @@ from megatron_sao.rollout.client import EngineRouter, SGLangClient
 from megatron_sao.rollout.envs import make_env
 from megatron_sao.rollout.prompts import PromptCursor
 from megatron_sao.rollout.worker import InMemorySink, RolloutWorker, WorkerConfig
-from megatron_sao.weight_sync.group import destroy_update_group, init_update_group
+from tests.rollout.pushes import join_group, session_push
 
 VERSIONS = 3
 
 
-def _update_all(
-    clients: list[SGLangClient], new: dict[str, Any], names: list[str], version: int, group: Any
-) -> list[str]:
-    """Announce the update to every engine (HTTP threads) while rank 0 broadcasts each tensor once to all of them."""
-    import torch.distributed as dist
-
-    dtypes = [str(new[n].dtype).removeprefix("torch.") for n in names]
-    shapes = [list(new[n].shape) for n in names]
-    outs: list[Any] = []
-
-    def announce(c: SGLangClient) -> None:
-        outs.append(c.update_weights_from_distributed(names, dtypes, shapes, group_name="g", weight_version=version))
-
-    threads = [threading.Thread(target=announce, args=(c,)) for c in clients]
-    for t in threads:
-        t.start()
-    for n in names:
-        dist.broadcast(new[n], src=0, group=group)
-    for t in threads:
-        t.join(60)
-    return [o["message"] for o in outs]
-
-
 def push_versions(urls: list[str], model_dir: str, port: int) -> list[str]:
-    """Trainer (rank 0 of 1 + len(urls)): push VERSIONS updates, each while requests are in flight."""
+    """Trainer (rank 0 of 1 + len(urls)): push VERSIONS updates, each while requests are in flight (pause in place,
+    one session per push, continue)."""
     import torch
     from safetensors.torch import load_file
 
     clients = [SGLangClient(u) for u in urls]
-    world = 1 + len(clients)
-    inits = [threading.Thread(target=c.init_weights_update_group, args=("127.0.0.1", port, i + 1, world, "g", "gloo"))
-             for i, c in enumerate(clients)]  # fmt: skip
-    for t in inits:
-        t.start()
-    group = init_update_group("gloo", "127.0.0.1", port, world, 0, "g", 120.0)
-    for t in inits:
-        t.join(60)
+    group = join_group(clients, port)
     base = load_file(f"{model_dir}/model.safetensors")
-    names = sorted(base)
     messages = []
     for version in range(1, VERSIONS + 1):
         deadline = time.monotonic() + 60
@@ -71,8 +42,9 @@ def push_versions(urls: list[str], model_dir: str, port: int) -> list[str]:
             time.sleep(0.01)
         for c in clients:
             c.pause_generation("in_place")
-        new = {k: base[k] + 0.01 * version * torch.ones_like(base[k]) for k in names}
-        messages += _update_all(clients, new, names, version, group)
+        new = {k: base[k] + 0.01 * version * torch.ones_like(base[k]) for k in sorted(base)}
+        answers = session_push(clients, new, version, group, flattened=True)
+        messages += [a["update"]["message"] for a in answers.values()]
         for c in clients:
             c.continue_generation()
         time.sleep(0.3)

@@ -1,62 +1,34 @@
-"""In-place weight updates through /init_weights_update_group + /update_weights_from_distributed with a real gloo
-broadcast from a trainer process (rank 0) to an embedded engine process (rank 1), in the middle of a generation."""
+"""The embedded engine's side of SGLang's weight push, driven by a hand-rolled gloo trainer (tests/rollout/pushes.py):
+a session's updates are staged and switch weights and version together at `end`, in the middle of a generation; what
+SGLang refuses before receiving is refused before receiving; a push refused or cut at any update leaves the served
+weights and version untouched; flattened buckets and checksums match the trainer's bytes; the older releases' rules
+(no session, a refused flush that kills the scheduler) are followed when emulated."""
 
 from __future__ import annotations
 
 import shutil
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from megatron_sao.distributed import flat_bucket
 from megatron_sao.distributed.spawn import find_free_port, spawn_ranks
+from megatron_sao.distributed.update_group import destroy_update_group
 from megatron_sao.rollout import protocol as P
 from megatron_sao.rollout.client import EngineError, SGLangClient
-from megatron_sao.weight_sync.group import destroy_update_group, init_update_group
+from tests.rollout.pushes import in_thread, join_group, session_push, update
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 PROMPT = [1, 2, 3, 4]
-
-
-def _in_thread(box: dict[str, Any], key: str, fn: Any, *args: Any, **kwargs: Any) -> threading.Thread:
-    def target() -> None:
-        try:
-            box[key] = fn(*args, **kwargs)
-        except Exception as e:
-            box[key] = e
-
-    t = threading.Thread(target=target)
-    t.start()
-    return t
-
-
-def _push(client: SGLangClient, tensors: dict[str, Any], version: int, group: Any,
-          shapes: dict[str, list[int]] | None = None):  # fmt: skip
-    """Announce `tensors` (optionally with wrong declared shapes) and broadcast them from rank 0 in order."""
-    import torch
-    import torch.distributed as dist
-
-    names = sorted(tensors)
-    shapes = shapes or {}
-    declared = [shapes.get(n, list(tensors[n].shape)) for n in names]
-    dtypes = [str(tensors[n].dtype).removeprefix("torch.") for n in names]
-    box: dict[str, Any] = {}
-    t = _in_thread(box, "r", client.update_weights_from_distributed, names, dtypes, declared, group_name="g",
-                   weight_version=version)  # fmt: skip
-    for name, shape in zip(names, declared):
-        wrong = name in shapes  # the trainer sends what it declared; the engine must drain it and refuse
-        sent = torch.zeros(shape, dtype=tensors[name].dtype) if wrong else tensors[name].contiguous()
-        dist.broadcast(sent, src=0, group=group)
-    t.join(120)
-    return box["r"]
+PROBE = "model.layers.1.mlp.experts.2.up_proj.weight"  # an expert half: resolved into the fused in-memory tensor
 
 
 def _reference(model_dir: str, tensors: dict[str, Any], prompt: list[int], output: list[int]) -> list[float]:
     """Log-probs of output under transformers loading `tensors` as an HF checkpoint (the trainer's view)."""
-    import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
@@ -69,55 +41,188 @@ def _reference(model_dir: str, tensors: dict[str, Any], prompt: list[int], outpu
     return [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(output)]
 
 
+def _rows(client: SGLangClient, name: str) -> torch.Tensor:
+    return torch.tensor(client.get_weights_by_name(name, truncate_size=3))
+
+
+def _wait_generating(client: SGLangClient, tokens: int) -> None:
+    deadline = time.monotonic() + 60
+    while client.request("GET", P.SERVER_INFO)["load"]["generated_tokens"] < tokens:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+
+
 def trainer(engine_url: str, model_dir: str, port: int) -> dict[str, Any]:
-    import torch
     from safetensors.torch import load_file
 
     client = SGLangClient(engine_url)
     box: dict[str, Any] = {}
-    gen = _in_thread(box, "long", client.generate, PROMPT, {"max_new_tokens": 160, **GREEDY})
-    deadline = time.monotonic() + 60
-    while client.request("GET", P.SERVER_INFO)["load"]["generated_tokens"] < 20:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-    init = _in_thread(box, "init", client.init_weights_update_group, "127.0.0.1", port, 1, 2, "g", "gloo")
-    group = init_update_group("gloo", "127.0.0.1", port, 2, 0, "g", 120.0)  # as the engine builds its side
-    init.join(120)
+    gen = in_thread(box, "long", client.generate, PROMPT, {"max_new_tokens": 160, **GREEDY})
+    _wait_generating(client, 20)
+    group = join_group([client], port)
     torch.manual_seed(0)
-    new = {k: v + 0.05 * torch.randn_like(v) for k, v in load_file(f"{model_dir}/model.safetensors").items()}
-    update = _push(client, new, version=1, group=group)
+    base = load_file(f"{model_dir}/model.safetensors")
+    new = {k: v + 0.05 * torch.randn_like(v) for k, v in base.items()}
+    names = sorted(new)
+    half = len(names) // 2
+    out: dict[str, Any] = {}
+    # a session of two updates: nothing changes at the first; both land, with the version, at end
+    client.begin_weight_update()
+    out["first"] = update([client], {n: new[n] for n in names[:half]}, group)[client.url]
+    out["staged_invisible"] = torch.equal(_rows(client, names[0]), base[names[0]][:3].float())
+    out["version_before_end"] = client.weight_version()
+    out["second"] = update([client], {n: new[n] for n in names[half:]}, group, version=1, flattened=True)[client.url]
+    out["end"] = client.end_weight_update()
     gen.join(120)
-    after = client.generate(PROMPT, {"max_new_tokens": 8, **GREEDY})
-    bad_name = "model.layers.1.mlp.experts.2.up_proj.weight"
-    wrong = {bad_name: [int(new[bad_name].shape[0]) + 1, int(new[bad_name].shape[1])]}
-    rejected = _push(client, {k: v * 3 for k, v in new.items()}, version=2, group=group, shapes=wrong)
-    unchanged = client.generate(PROMPT, {"max_new_tokens": 8, **GREEDY})
-    again = _push(client, new, version=3, group=group)  # the group is still in step after the drained, rejected update
-    out = {
-        "init": box["init"], "update": update, "long": box["long"], "after": after, "rejected": rejected,
-        "unchanged": unchanged, "again": again, "version": client.weight_version(),
-        "reference": _reference(model_dir, new, PROMPT, after.output_ids),
-    }  # fmt: skip
+    out["long"] = box["long"]
+    out["after"] = client.generate(PROMPT, {"max_new_tokens": 8, **GREEDY})
+    out["reference"] = _reference(model_dir, new, PROMPT, out["after"].output_ids)
+    out["exact"] = all(torch.equal(_rows(client, n), new[n][:3].float()) for n in names)
+    # an update outside a session is refused before anything is received; the group stays in step
+    out["outside"] = update([client], {names[0]: new[names[0]] * 2}, group, version=9, send=False)[client.url]
+    # refused at the LAST update of a session (a shape the model does not have): nothing of the session lands
+    bad = {PROBE: [int(new[PROBE].shape[0]) + 1, int(new[PROBE].shape[1])]}
+    client.begin_weight_update()
+    out["ok_part"] = update([client], {n: new[n] * 3 for n in names[:half]}, group)[client.url]
+    out["refused"] = update([client], {n: new[n] * 3 for n in names[half:]}, group, version=2,
+                            declared_shapes=bad)[client.url]  # fmt: skip
+    out["end_refused"] = in_thread(box, "end", client.end_weight_update).join(60) or box["end"]
+    out["unchanged"] = all(torch.equal(_rows(client, n), new[n][:3].float()) for n in names)
+    out["v_after_refusal"] = client.weight_version()
+    # a misaligned flattened bucket is refused before receiving (SGLang's FlattenedTensorBucket.empty)
+    odd = {"model.norm.weight": new["model.norm.weight"][:1].to(torch.bfloat16), names[1]: new[names[1]]}
+    client.begin_weight_update()
+    out["misaligned"] = _misaligned(client, odd)
+    client.end_weight_update()
+    # cut in the middle: the trainer goes away after the first of three updates (its group is torn down)
+    client.begin_weight_update()
+    update([client], {n: new[n] * 4 for n in names[:half]}, group)
+    client.destroy_weights_update_group("g")
+    destroy_update_group(group)
+    out["end_after_cut"] = in_thread(box, "end2", client.end_weight_update).join(60) or box["end2"]
+    out["unchanged_after_cut"] = all(torch.equal(_rows(client, n), new[n][:3].float()) for n in names)
+    out["v_after_cut"] = client.weight_version()
+    # a new connection pushes a complete session again; the checksum matches the trainer's bytes
+    group = join_group([client], port + 1, name="g2")
+    again = {k: v * 0.5 for k, v in new.items()}
+    out["again"] = session_push([client], again, 3, group, group_name="g2", flattened=True)[client.url]
+    out["v_again"] = client.weight_version()
+    mine = flat_bucket.overall_checksum({n: flat_bucket.tensor_checksum(t) for n, t in again.items()})
+    out["checksum"] = (client.weights_checksum()["ranks"][0]["per_gpu_checksum"], mine)
+    out["traffic"] = client.request("GET", P.SERVER_INFO)["weight_update_groups"]["g2"]
     destroy_update_group(group)
     return out
 
 
+def _misaligned(client: SGLangClient, tensors: dict[str, torch.Tensor]) -> Any:
+    """A flattened bucket with a bf16 [1] tensor before an fp32 one: the fp32 offset (2 bytes) is unaligned."""
+    names = list(tensors)
+    try:
+        return client.update_weights_from_distributed(
+            names, [flat_bucket.dtype_name(tensors[n].dtype) for n in names], [list(tensors[n].shape) for n in names],
+            group_name="g", flush_cache=False, load_format="flattened_bucket")  # fmt: skip
+    except EngineError as e:
+        return e
+
+
 @pytest.mark.multiproc
-def test_update_mid_generation_gives_two_versions_and_exact_new_weights(start_engine: Any, tiny_dirs: Any) -> None:
+def test_session_push_is_staged_atomic_and_switches_mid_generation(start_engine: Any, tiny_dirs: Any) -> None:
     engine = start_engine(tiny_dirs["qwen3_moe"])
     engine.wait_healthy()
-    (out,) = spawn_ranks(trainer, 1, engine.url, str(tiny_dirs["qwen3_moe"]), find_free_port(), timeout_s=300)
-    for key in ("init", "update", "again"):
-        assert not isinstance(out[key], BaseException), out[key]
-        assert out[key]["success"], out[key]
+    port = find_free_port()
+    (out,) = spawn_ranks(trainer, 1, engine.url, str(tiny_dirs["qwen3_moe"]), port, timeout_s=400)
+    assert out["first"]["success"] and out["second"]["success"] and out["end"]["success"], out
+    assert out["staged_invisible"] and out["version_before_end"] == 0, "a staged update must not be served"
     long = out["long"]
     assert len(long.output_ids) == 160 and long.finish_type == "length"
-    assert set(long.versions) == {0, 1}, "the in-flight request should carry both weight versions"
-    switch = long.versions.index(1)
+    switch = long.versions.index(1)  # tokens in flight across the push carry two versions, switched at one step
     assert switch >= 20 and long.versions == [0] * switch + [1] * (160 - switch)
-    assert out["after"].versions == [1] * 8
+    assert out["after"].versions == [1] * 8 and out["exact"]
     assert max(abs(a - b) for a, b in zip(out["after"].logprobs, out["reference"])) <= 1e-4
-    assert isinstance(out["rejected"], EngineError) and out["rejected"].status == 400
-    assert "up_proj" in str(out["rejected"]) and "model unchanged" in str(out["rejected"])
-    assert out["unchanged"].output_ids == out["after"].output_ids and out["unchanged"].versions == [1] * 8
-    assert out["version"] == 3
+    assert isinstance(out["outside"], EngineError) and out["outside"].status == 400
+    assert "must run between begin_weight_update() and end_weight_update()" in str(out["outside"])
+    assert out["ok_part"]["success"]
+    assert isinstance(out["refused"], EngineError) and "up_proj" in str(out["refused"])
+    assert isinstance(out["end_refused"], EngineError) and "discarded" in str(out["end_refused"])
+    assert out["unchanged"] and out["v_after_refusal"] == 1, "a refused last update must leave the session unapplied"
+    assert isinstance(out["misaligned"], EngineError) and "Unaligned" in str(out["misaligned"])
+    assert isinstance(out["end_after_cut"], EngineError) and "no weight-update session" in str(out["end_after_cut"])
+    assert out["unchanged_after_cut"] and out["v_after_cut"] == 1, "a cut push must leave the weights untouched"
+    assert out["again"]["update"]["success"] and out["again"]["end"]["success"] and out["v_again"] == 3
+    assert out["checksum"][0] == out["checksum"][1]
+    assert out["traffic"]["tensors"] == len(out["traffic"]["names"]) > 0
+
+
+def legacy_trainer(engine_url: str, model_dir: str, port: int) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    client = SGLangClient(engine_url)
+    out: dict[str, Any] = {"protocol": client.protocol()}
+    try:
+        client.begin_weight_update()
+    except EngineError as e:
+        out["begin"] = e.status
+    group = join_group([client], port)
+    new = {k: v * 1.5 for k, v in load_file(f"{model_dir}/model.safetensors").items()}
+    name = "model.norm.weight"
+    out["applied"] = update([client], {name: new[name]}, group, version=4)[client.url]  # no session: applied at once
+    out["exact"] = torch.equal(_rows(client, name), new[name][:3].float()) and client.weight_version() == 4
+    box: dict[str, Any] = {}
+    in_thread(box, "gen", client.generate, PROMPT, {"max_new_tokens": 400, **GREEDY})
+    _wait_generating(client, 5)
+    client.pause_generation("in_place")  # the request stays running with its KV: a flush must be refused
+    names = [name]
+    reply = in_thread(box, "crash", client.update_weights_from_distributed, names, ["float32"],
+                      [list(new[name].shape)], group_name="g", weight_version=5, flush_cache=True)  # fmt: skip
+    torch.distributed.broadcast(new[name] * 2, src=0, group=group)
+    reply.join(60)
+    out["crash"] = box["crash"]
+    return out
+
+
+@pytest.mark.multiproc
+def test_sglang_0_5_10_rules_no_session_and_a_refused_flush_kills_the_server(start_engine: Any, tiny_dirs: Any) -> None:
+    """Emulating 0.5.10: no session routes, each update applied on arrival, and a flush refused while a request runs
+    ends the server (SGLang's scheduler asserts "Cache flush failed after updating weights")."""
+    engine = start_engine(tiny_dirs["qwen3_moe"], "--emulate-sglang", "0.5.10")
+    engine.wait_healthy()
+    (out,) = spawn_ranks(legacy_trainer, 1, engine.url, str(tiny_dirs["qwen3_moe"]), find_free_port(), timeout_s=200)
+    assert out["protocol"].version == "0.5.10" and not out["protocol"].session
+    assert out["begin"] == 404 and out["applied"]["success"] and out["exact"]
+    assert not isinstance(out["crash"], dict), "the engine answered a flush SGLang 0.5.10 dies on"
+    engine.proc.wait(timeout=30)
+    assert engine.proc.returncode != 0 and "Cache flush failed after updating weights" in engine.log_path.read_text()
+
+
+def flush_trainer(engine_url: str, model_dir: str, port: int) -> Any:
+    from safetensors.torch import load_file
+
+    client = SGLangClient(engine_url)
+    group = join_group([client], port)
+    new = {k: v * 1.5 for k, v in load_file(f"{model_dir}/model.safetensors").items()}
+    box: dict[str, Any] = {}
+    in_thread(box, "gen", client.generate, PROMPT, {"max_new_tokens": 400, **GREEDY})
+    _wait_generating(client, 5)
+    client.pause_generation("in_place")
+    client.begin_weight_update()
+    name = "model.norm.weight"
+    reply = in_thread(box, "flush", client.update_weights_from_distributed, [name], ["float32"],
+                      [list(new[name].shape)], group_name="g", weight_version=5, flush_cache=True)  # fmt: skip
+    torch.distributed.broadcast(new[name], src=0, group=group)
+    reply.join(60)
+    try:
+        client.end_weight_update()
+        end = "committed"
+    except EngineError as e:
+        end = str(e)
+    client.continue_generation()
+    return {"flush": box["flush"], "end": end, "version": client.weight_version(), "alive": client.health()}
+
+
+@pytest.mark.multiproc
+def test_a_refused_flush_fails_the_update_and_the_session_from_0_5_22(start_engine: Any, tiny_dirs: Any) -> None:
+    engine = start_engine(tiny_dirs["qwen3_moe"], "--emulate-sglang", "0.5.22")
+    engine.wait_healthy()
+    (out,) = spawn_ranks(flush_trainer, 1, engine.url, str(tiny_dirs["qwen3_moe"]), find_free_port(), timeout_s=200)
+    assert isinstance(out["flush"], EngineError) and "cache was not flushed" in str(out["flush"])
+    assert "discarded" in out["end"] and out["version"] == 0 and out["alive"]

@@ -110,7 +110,7 @@ def test_push_lands_exactly_and_a_refused_push_changes_nothing(start_engine: Any
 def _group_member(port: int) -> list[float]:
     import torch.distributed as dist
 
-    from megatron_sao.weight_sync.group import destroy_update_group, init_update_group
+    from megatron_sao.distributed.update_group import destroy_update_group, init_update_group
 
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # what torchrun sets in the learner's ranks
     rank = int(os.environ["RANK"])

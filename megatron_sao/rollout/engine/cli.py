@@ -23,6 +23,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-version", default=P.DEFAULT_WEIGHT_VERSION, help="initial weight_version string")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--random-seed", type=int, default=0, help="seeds requests without a sampling_seed")
+    p.add_argument("--emulate-sglang", default=None, metavar="VERSION",
+                   help="follow the weight-update rules of this SGLang release (default: the newest one read, "
+                   "megatron_sao.rollout.engine.server.EMULATED_SGLANG)")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -32,13 +35,19 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import torch
 
-    from megatron_sao.rollout.engine.server import build_state, serve
+    from megatron_sao.rollout.engine.server import EMULATED_SGLANG, build_state, serve
+    from megatron_sao.rollout.protocol import parse_version
 
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.random_seed)
     if args.max_running_requests < 1:
         raise SystemExit("error: --max-running-requests must be >= 1")
+    sglang_version = args.emulate_sglang or EMULATED_SGLANG
+    try:
+        parse_version(sglang_version)
+    except ValueError as e:
+        raise SystemExit(f"error: --emulate-sglang: {e}") from None
     state = build_state(
         args.model,
         dtype=args.dtype,
@@ -46,6 +55,7 @@ def main(argv: list[str]) -> int:
         context_length=args.context_length,
         skip_tokenizer_init=args.skip_tokenizer_init,
         weight_version=args.weight_version,
+        sglang_version=sglang_version,
     )
     serve(state, args.host, args.port)
     return 0

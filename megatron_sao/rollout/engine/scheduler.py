@@ -15,6 +15,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +64,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[Request] = []
-        self._updates: list[tuple[ReceivedUpdate, threading.Event, list[BaseException]]] = []
+        self._boundary: list[tuple[Callable[[], Any], threading.Event, list[Any]]] = []  # run between two steps
         self._paused = False
         self._stopped = False
         self._in_step = False  # a prefill/decode step is running outside the lock
@@ -119,16 +120,44 @@ class Scheduler:
             self._paused = False
             self._cv.notify_all()
 
-    def apply_update(self, update: ReceivedUpdate, timeout_s: float = 600.0) -> None:
-        """Hand a received update to the scheduler thread and wait until it is applied at a token boundary."""
-        applied, errors = threading.Event(), []
+    def at_boundary(self, fn: Callable[[], Any], timeout_s: float = 600.0) -> Any:
+        """Run `fn` on the scheduler thread at the next token boundary (no forward running, none half-sampled) and
+        return its result; what it raises is raised here. Runs while paused too."""
+        done, box = threading.Event(), []
         with self._cv:
-            self._updates.append((update, applied, errors))
+            self._boundary.append((fn, done, box))
             self._cv.notify_all()
-        if not applied.wait(timeout_s):
-            raise TimeoutError(f"weight update not applied within {timeout_s}s (scheduler stuck?)")
-        if errors:
-            raise RuntimeError(f"applying the weight update failed: {errors[0]!r}") from errors[0]
+        if not done.wait(timeout_s):
+            raise TimeoutError(f"not run at a token boundary within {timeout_s}s (scheduler stuck?)")
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def apply_update(self, update: ReceivedUpdate, timeout_s: float = 600.0) -> None:
+        """Copy a received update into the model and switch to its weight_version (if any) at one token boundary:
+        every token sampled after it comes from the new weights and carries the new version."""
+
+        def apply() -> None:
+            self.updater.apply(update)
+            if update.weight_version is not None:
+                self.weight_version = update.weight_version
+
+        try:
+            self.at_boundary(apply, timeout_s)
+        except (RuntimeError, ValueError) as e:  # the version is not bumped
+            log.exception("applying a weight update failed")
+            raise RuntimeError(f"applying the weight update failed: {e!r}") from e
+
+    def set_weight_version(self, version: str) -> None:
+        self.at_boundary(lambda: setattr(self, "weight_version", version))
+
+    def flushable(self) -> bool:
+        """SGLang's rule for a cache flush (Scheduler.flush_cache: is_fully_idle(ignore_waiting=paused)): nothing
+        holds KV (no running request: an in_place pause keeps them running), and nothing waits unless paused (a
+        retracted request waits without KV)."""
+        with self._cv:
+            return not self._running and (self._paused or not self._waiting)
 
     def load(self) -> dict[str, Any]:
         with self._cv:
@@ -149,15 +178,18 @@ class Scheduler:
         while True:
             with self._cv:
                 while (
-                    not self._stopped and not self._updates and (self._paused or not (self._waiting or self._running))
+                    not self._stopped and not self._boundary and (self._paused or not (self._waiting or self._running))
                 ):
                     self._cv.wait(timeout=1.0)
                 if self._stopped:
                     return
-                updates, self._updates = self._updates, []
-                for update, applied, errors in updates:  # token boundary: no forward is running
-                    self._apply(update, errors)
-                    applied.set()
+                calls, self._boundary = self._boundary, []
+                for fn, done, box in calls:  # token boundary: no forward is running
+                    try:
+                        box.append((True, fn()))
+                    except Exception as e:  # handed to the caller of at_boundary
+                        box.append((False, e))
+                    done.set()
                 if self._paused:
                     continue
                 admitted = self._admit()
@@ -180,16 +212,6 @@ class Scheduler:
                 with self._cv:
                     self._in_step = False
                     self._cv.notify_all()
-
-    def _apply(self, update: ReceivedUpdate, errors: list[BaseException]) -> None:
-        try:
-            self.updater.apply(update)
-        except (RuntimeError, ValueError) as e:  # handed to the HTTP caller; the version is not bumped
-            log.exception("applying a weight update failed")
-            errors.append(e)
-            return
-        if update.weight_version is not None:
-            self.weight_version = update.weight_version
 
     def alive(self) -> bool:
         return self._thread.is_alive()

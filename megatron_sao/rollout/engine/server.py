@@ -2,28 +2,41 @@
 CPU (owned by engine/; started by `python -m megatron_sao engine`, see main(); spoken to by rollout/client.py).
 
 Endpoints (paths and bodies as in SGLang 0.5.23, see protocol.py and docs/rollout.md): /generate, /health,
-/health_generate, /model_info, /get_model_info, /get_weight_version, /server_info, /pause_generation,
-/continue_generation, /flush_cache, /abort_request, /init_weights_update_group, /destroy_weights_update_group,
-/update_weights_from_distributed. Every request gets an answer: a request the engine cannot serve as sent
-(ValueError) gets HTTP 400 and any other failure of a handler HTTP 500, both with SGLang's error body
-`{"error": {"message": "<ErrorType>: ..."}}`; the weight endpoints answer 400 `{"success": false, "message"}` as SGLang.
+/health_generate, /model_info, /get_model_info, /get_weight_version, /server_info (/get_server_info),
+/pause_generation, /continue_generation, /flush_cache, /abort_request, /init_weights_update_group,
+/destroy_weights_update_group, /begin_weight_update, /end_weight_update, /update_weights_from_distributed,
+/update_weight_version, /get_weights_by_name, /weights_checker. Every request gets an answer: a request the engine
+cannot serve as sent (ValueError) gets HTTP 400 and any other failure of a handler HTTP 500, both with SGLang's error
+body `{"error": {"message": "<ErrorType>: ..."}}`; the weight endpoints answer 400 `{"success": false, "message"}` as
+SGLang.
+
+The engine follows the rules of one SGLang release (`--emulate-sglang`, default the newest one read; its
+`ServerProtocol`): which routes exist (sessions from 0.5.21), whether updates must run inside a session, whether a
+flattened bucket is understood, and what a refused post-update cache flush does: it fails the call (0.5.22+), or, as
+older schedulers `assert` and die, it ends this process.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from megatron_sao.distributed import flat_bucket
 from megatron_sao.rollout import protocol as P
 from megatron_sao.rollout.engine.generate import GenerateHandler
 from megatron_sao.rollout.engine.scheduler import Scheduler
 from megatron_sao.rollout.engine.weights import WeightUpdateError, WeightUpdater
 
 log = logging.getLogger(__name__)
+
+EMULATED_SGLANG = "0.5.23"
+"""The SGLang release whose rules the embedded engine follows unless told otherwise (--emulate-sglang)."""
 
 
 class EngineState:
@@ -48,17 +61,18 @@ class EngineState:
             return 200, {**self.model_info, "weight_version": s.weight_version}
         if path in (P.GET_WEIGHT_VERSION, "/weight_version"):
             return 200, {"weight_version": s.weight_version}
-        if path == P.SERVER_INFO:
-            return 200, {**self.model_info, "engine": "megatron_sao.embedded", "load": s.load()}
+        if path == P.GET_SERVER_INFO or (path == P.SERVER_INFO and self.protocol.server_info_route):
+            return 200, self.server_info()
         if path == P.PAUSE_GENERATION and method == "POST":
-            s.pause(str(body.get("mode", "abort")))
+            mode = str(body.get("mode", "abort")) if self.protocol.pause_modes != ("abort",) else "abort"
+            s.pause(mode)  # before 0.5.6 SGLang's pause takes no mode: it aborts every request
             return 200, {"message": "Generation paused successfully.", "status": "ok"}
         if path == P.CONTINUE_GENERATION and method == "POST":
             s.resume()
             return 200, {"message": "Generation continued successfully.", "status": "ok"}
         if path == P.FLUSH_CACHE:
-            # No prefix cache is kept between requests; like SGLang, refuse while requests are in flight.
-            if not s.idle():
+            # No prefix cache is kept between requests; SGLang's rule decides whether the flush is refused.
+            if not s.flushable():
                 return 400, "Flush cache failed: there are running or waiting requests.\n"
             return 200, "Cache flushed.\n"
         if path == P.ABORT_REQUEST and method == "POST":
@@ -66,16 +80,65 @@ class EngineState:
             return 200, ""
         if path == P.GET_WEIGHTS_BY_NAME and method in ("GET", "POST"):
             try:
-                return 200, self.updater.get(str(body["name"]), int(body.get("truncate_size", 100)))
+                name, rows = str(body["name"]), int(body.get("truncate_size", 100))
+                return 200, s.at_boundary(lambda: self.updater.get(name, rows))
             except (WeightUpdateError, KeyError, TypeError, ValueError) as e:
                 return 400, {"error": {"message": f"Get parameter by name failed: {e}"}}
-        if path in (P.INIT_WEIGHTS_UPDATE_GROUP, P.DESTROY_WEIGHTS_UPDATE_GROUP, P.UPDATE_WEIGHTS_FROM_DISTRIBUTED):
+        if path == P.WEIGHTS_CHECKER and self.protocol.weights_checker and method in ("GET", "POST"):
+            return self._check_weights(body)
+        sessions = (P.BEGIN_WEIGHT_UPDATE, P.END_WEIGHT_UPDATE) if self.protocol.session else ()
+        weight_paths = (P.INIT_WEIGHTS_UPDATE_GROUP, P.DESTROY_WEIGHTS_UPDATE_GROUP,
+                        P.UPDATE_WEIGHTS_FROM_DISTRIBUTED, P.UPDATE_WEIGHT_VERSION, *sessions)  # fmt: skip
+        if path in weight_paths and method == "POST":
             return self._weights(path, body)
-        return 404, {"error": {"message": f"{method} {path} is not served by the embedded engine"}}
+        return 404, {"error": {"message": f"{method} {path} is not served by the embedded engine "
+                                          f"(following SGLang {self.protocol.version})"}}  # fmt: skip
+
+    @property
+    def protocol(self) -> P.ServerProtocol:
+        return self.updater.protocol
+
+    def server_info(self) -> dict[str, Any]:
+        return {
+            **self.model_info,
+            "engine": P.EMBEDDED_ENGINE,
+            "version": self.protocol.version,
+            "tp_size": 1,
+            "dp_size": 1,
+            "load": self.scheduler.load(),
+            "weight_update_groups": {k: dict(v, names=list(v["names"])) for k, v in self.updater.traffic.items()},
+        }
+
+    def _check_weights(self, body: dict[str, Any]) -> tuple[int, Any]:
+        """SGLang's /weights_checker answer for action=checksum (one rank; the other actions are not served)."""
+        action = str(body.get("action", "checksum"))
+        if action != "checksum":
+            return 400, {"success": False, "message": f"Unsupported action={action!r} (the embedded engine serves "
+                                                      "'checksum')"}  # fmt: skip
+        skip = body.get("skip_tensor_list") or []
+        checksums = self.scheduler.at_boundary(lambda: self.updater.checksums([str(x) for x in skip]))
+        per_gpu = flat_bucket.overall_checksum(checksums)
+        info = {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
+                "rank": 0, "size": 1}  # fmt: skip
+        rank = {"checksums": checksums, "per_gpu_checksum": per_gpu, "parallelism_info": [info]}
+        engine = hashlib.sha256(per_gpu.encode()).hexdigest()
+        return 200, {"success": True, "message": "Success.", "ranks": [rank], "per_engine_checksum": engine}
 
     def _weights(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         try:
-            if path == P.INIT_WEIGHTS_UPDATE_GROUP:
+            if path == P.BEGIN_WEIGHT_UPDATE:
+                msg = self.updater.begin()
+            elif path == P.END_WEIGHT_UPDATE:
+                update, msg = self.updater.end()
+                if update is not None:  # weights and version switch together, between two decode steps
+                    self.scheduler.apply_update(update)
+            elif path == P.UPDATE_WEIGHT_VERSION:
+                if body.get("abort_all_requests", True):
+                    self.scheduler.abort(None, "Aborted by /update_weight_version")
+                self.scheduler.set_weight_version(str(body["new_version"]))
+                return 200, {"success": True, "message": f"Weight version updated to {body['new_version']}",
+                             "new_version": str(body["new_version"])}  # fmt: skip
+            elif path == P.INIT_WEIGHTS_UPDATE_GROUP:
                 msg = self.updater.init_group(
                     str(body["master_address"]),
                     int(body["master_port"]),
@@ -93,21 +156,38 @@ class EngineState:
         return 200, {"success": True, "message": msg}
 
     def _update_from_distributed(self, body: dict[str, Any]) -> str:
-        if body.get("load_format") not in (None, "auto"):
-            raise WeightUpdateError(f"load_format={body['load_format']!r} is not supported; send tensors one by one")
         if body.get("abort_all_requests"):
             self.scheduler.abort(None, "Aborted by update_weights_from_distributed(abort_all_requests=True)")
         version = body.get("weight_version")
+        load_format = body.get("load_format") if self.protocol.flattened_bucket else None  # unknown field before
         update = self.updater.receive(
             list(body["names"]),
             list(body["dtypes"]),
             [list(s) for s in body["shapes"]],
             str(body.get("group_name", "weight_update_group")),
             None if version is None else str(version),
+            load_format=load_format,
         )
-        self.scheduler.apply_update(update)
+        staged = self.updater.session is not None
+        if not staged:
+            self.scheduler.apply_update(update)
+        if body.get("flush_cache", True) and not self.scheduler.flushable():
+            self._flush_refused()
+        done = "staged for the session's end" if staged else "updated in place"
         suffix = f" Weight version updated to {version}." if version is not None else ""
-        return f"Succeeded to update {len(update.tensors)} tensors in place.{suffix}"
+        return f"Succeeded: {len(update.tensors)} tensors {done}.{suffix}"
+
+    def _flush_refused(self) -> None:
+        """SGLang's answer to a refused post-update flush: 0.5.22+ fails the call; older schedulers die on it."""
+        if self.protocol.flush_refusal_fails:
+            reason = ("Weights were updated, but the cache was not flushed because requests are still running or "
+                      "queued. Retract or finish them, then call /flush_cache.")  # fmt: skip
+            self.updater.fail_session(reason)
+            raise WeightUpdateError(reason)
+        log.critical("AssertionError: Cache flush failed after updating weights (SGLang %s's scheduler asserts here "
+                     "and the server dies; so does this engine)", self.protocol.version)  # fmt: skip
+        logging.shutdown()
+        os._exit(1)
 
 
 def _error_body(e: BaseException) -> dict[str, Any]:
@@ -162,7 +242,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 def make_server(state: EngineState, host: str, port: int) -> ThreadingHTTPServer:
     handler = type("EngineHandler", (_Handler,), {"state": state})
-    server = ThreadingHTTPServer((host, port), handler)
+    # the standard library's listen backlog is 5: a burst of concurrent clients got connection resets
+    server_cls = type("EngineHTTPServer", (ThreadingHTTPServer,), {"request_queue_size": 1024})
+    server = server_cls((host, port), handler)
     server.daemon_threads = True
     return server
 
@@ -175,6 +257,7 @@ def build_state(
     context_length: int | None = None,
     skip_tokenizer_init: bool = False,
     weight_version: str = P.DEFAULT_WEIGHT_VERSION,
+    sglang_version: str = EMULATED_SGLANG,
 ) -> EngineState:
     """Load the model (and tokenizer unless skipped or absent) and start the scheduler thread."""
     from megatron_sao.rollout.engine.model_runner import ModelRunner, eos_token_ids, load_hf_model
@@ -182,7 +265,7 @@ def build_state(
     model = load_hf_model(model_dir, dtype)
     ctx = context_length or int(getattr(model.config, "max_position_embeddings", 4096))
     tokenizer = None if skip_tokenizer_init else _maybe_tokenizer(model_dir)
-    updater = WeightUpdater(model)
+    updater = WeightUpdater(model, P.ServerProtocol(sglang_version, embedded=True))
     scheduler = Scheduler(
         ModelRunner(model),
         updater,

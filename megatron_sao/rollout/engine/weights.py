@@ -1,101 +1,208 @@
-"""In-place weight updates of the embedded engine: the update process group, receiving tensors broadcast by the
-trainer, validating them against the model and copying them in (owned by engine/; called by engine/server.py for the
-HTTP endpoints and by engine/scheduler.py, which applies a received update between two decode steps).
+"""In-place weight updates of the embedded engine: its update process groups, SGLang's weight-update session, receiving
+the tensors the trainer broadcasts, validating them against the model, staging them and committing a whole push at
+once (owned by engine/; called by engine/server.py for the HTTP endpoints; scheduler.py copies a commit in between
+two decode steps).
 
-Protocol (SGLang's, see protocol.py): `/init_weights_update_group` makes this engine rank `rank_offset` of a
-`world_size` group whose rank 0 is the trainer; `/update_weights_from_distributed` lists `names`, `dtypes`, `shapes`
-and the trainer then broadcasts each tensor from rank 0, in that order. The engine validates every (name, dtype,
-shape) against its model first; on any mismatch it still receives (drains) every tensor so the group stays in step
-with the trainer, then rejects the whole update without touching the model.
+Protocol (SGLang's; the rules of the SGLang release in `ServerProtocol`, rollout/protocol.py):
+- `/init_weights_update_group` makes this engine rank `rank_offset` of a `world_size` group whose rank 0 is one
+  trainer rank; several named groups may coexist (one per learner pipeline stage).
+- `/update_weights_from_distributed` lists `names`, `dtypes`, `shapes`; the trainer then broadcasts each tensor from
+  rank 0 in that order, or, with `load_format="flattened_bucket"`, one uint8 buffer holding them all
+  (distributed/flat_bucket.py). Requests of one group are received one at a time; different groups concurrently
+  (with NCCL a real server's receives do not block its scheduler either).
+- What SGLang refuses before receiving, this engine refuses before receiving too (the trainer's broadcast then has
+  nobody to meet: it must time out): an update outside a session (0.5.21+), a flattened bucket with an unaligned
+  offset, an unknown group or load format. What SGLang receives and then fails to load (a name the model does not
+  have, a shape or dtype that differs), this engine receives (drains) and then refuses.
+- Staging (sessions, i.e. SGLang >= 0.5.21): between `/begin_weight_update` and `/end_weight_update` every update is
+  received into a staging area, the live model untouched; `end` commits all staged tensors and the session's
+  weight_version at ONE token boundary. A session in which any update failed is discarded at `end`; so is an open
+  session when one of the groups it received from is destroyed or a new group is initialized (a trainer that lost
+  its connection starts over). The engine keeps serving the previous weights and version until a commit.
+- Without a session (emulating SGLang < 0.5.21) each update is applied on arrival, as SGLang does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_sao.rollout.engine.hf_names import Target, resolve
-from megatron_sao.weight_sync.group import destroy_update_group, init_update_group
+from megatron_sao.distributed import flat_bucket
+from megatron_sao.distributed.update_group import destroy_update_group, init_update_group
+from megatron_sao.rollout.engine.hf_names import Target, on_disk_names, resolve
+from megatron_sao.rollout.protocol import ServerProtocol
+
+log = logging.getLogger(__name__)
 
 GROUP_TIMEOUT_S = 300.0
-"""Joining the group and each broadcast give up after this long (the trainer must join / send within it)."""
+"""Joining a group and each broadcast give up after this long (the trainer must join / send within it)."""
+FLATTENED_BUCKET = "flattened_bucket"
 
 
 class WeightUpdateError(ValueError):
-    """A weight update the engine refused; the message says what to fix on the trainer side."""
+    """A weight-update request the engine refused; the message says what to fix on the trainer side."""
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise WeightUpdateError(f"unknown dtype {name!r}; send torch dtype names such as 'bfloat16' or 'float32'")
-    return dtype
+    try:
+        return flat_bucket.dtype_from_name(name)
+    except ValueError as e:
+        raise WeightUpdateError(str(e)) from None
 
 
 @dataclass
 class ReceivedUpdate:
-    """Tensors received from the trainer, validated, waiting to be copied in at a token boundary."""
+    """Tensors received from the trainer, validated, to be copied in at a token boundary."""
 
     targets: list[Target]
     tensors: list[torch.Tensor]
     weight_version: str | None
 
 
-class WeightUpdater:
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.tensors: dict[str, torch.Tensor] = dict(model.state_dict())  # share storage with the model
-        self.group_name: str | None = None
-        self.group: Any = None  # the update process group (weight_sync/group.py), beside nothing else here
+@dataclass
+class Session:
+    """An open weight-update session: what it staged, which groups it received from, whether an update failed."""
 
-    # ---- process group ------------------------------------------------------------------------------------------
+    staged: dict[str, tuple[Target, torch.Tensor]] = field(default_factory=dict)  # HF name -> (target, tensor)
+    weight_version: str | None = None
+    groups: set[str] = field(default_factory=set)
+    failure: str | None = None
+
+    def commit(self) -> ReceivedUpdate:
+        targets = [t for t, _ in self.staged.values()]
+        return ReceivedUpdate(targets, [x for _, x in self.staged.values()], self.weight_version)
+
+
+class WeightUpdater:
+    def __init__(self, model: torch.nn.Module, protocol: ServerProtocol) -> None:
+        self.tensors: dict[str, torch.Tensor] = dict(model.state_dict())  # share storage with the model
+        self.protocol = protocol
+        self.groups: dict[str, Any] = {}  # group name -> the update process group (distributed/update_group.py)
+        self._group_locks: dict[str, threading.Lock] = {}
+        self._lock = threading.Lock()  # guards groups, the session and the traffic record
+        self.session: Session | None = None
+        self.traffic: dict[str, dict[str, Any]] = {}  # group name -> what it carried (tensors, bytes, names)
+
+    # ---- process groups -----------------------------------------------------------------------------------------
     def init_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
     ) -> str:
-        """Join the update group as rank `rank_offset` (blocks until every rank has joined)."""
+        """Join update group `group_name` as rank `rank_offset` (blocks until every rank has joined)."""
         if backend != "gloo":
             raise WeightUpdateError(f"backend={backend!r}: the embedded engine runs on CPU; use backend 'gloo'")
-        if self.group_name is not None:
-            raise WeightUpdateError(
-                f"this engine is already in update group {self.group_name!r}; call /destroy_weights_update_group first"
-            )
+        if not group_name:
+            raise WeightUpdateError("Group name cannot be empty")
         if not 0 < rank_offset < world_size:
             raise WeightUpdateError(
                 f"rank_offset={rank_offset} must be in [1, world_size={world_size}) (rank 0 is the trainer)"
             )
+        with self._lock:
+            if group_name in self.groups:
+                raise WeightUpdateError(
+                    f"update group {group_name!r} exists already; call /destroy_weights_update_group first"
+                )
+            self._discard_session(f"a new update group {group_name!r} is being initialized")
         try:
-            self.group = init_update_group(
+            group = init_update_group(
                 "gloo", master_address, master_port, world_size, rank_offset, group_name, GROUP_TIMEOUT_S
             )
         except (RuntimeError, ValueError) as e:  # the trainer never came, or the store refused us
             raise WeightUpdateError(
                 f"could not join update group {group_name!r} at {master_address}:{master_port}: {e}"
             ) from e
-        self.group_name = group_name
+        with self._lock:
+            self.groups[group_name] = group
+            self._group_locks[group_name] = threading.Lock()
+            self.traffic[group_name] = {"tensors": 0, "bytes": 0, "names": []}
         return f"joined update group {group_name!r} as rank {rank_offset} of {world_size}"
 
     def destroy_group(self, group_name: str) -> str:
-        if self.group_name != group_name:
-            raise WeightUpdateError(f"no update group named {group_name!r} (current: {self.group_name!r})")
-        destroy_update_group(self.group)
-        self.group, self.group_name = None, None
+        with self._lock:
+            if group_name not in self.groups:
+                raise WeightUpdateError("The group to be destroyed does not exist.")
+            group = self.groups.pop(group_name)
+            self._group_locks.pop(group_name, None)
+            if self.session is not None and group_name in self.session.groups:
+                self._discard_session(f"update group {group_name!r} it received from was destroyed")
+        destroy_update_group(group)
         return f"destroyed update group {group_name!r}"
+
+    # ---- the session (SGLang >= 0.5.21) -------------------------------------------------------------------------
+    def begin(self) -> str:
+        with self._lock:
+            if self.session is not None:
+                raise WeightUpdateError("a weight-update session is already open; call end_weight_update() first")
+            self.session = Session()
+        return "Success"
+
+    def end(self) -> tuple[ReceivedUpdate | None, str]:
+        """Close the session: the update to commit (None: nothing to commit, or discarded) and a message."""
+        with self._lock:
+            session, self.session = self.session, None
+        if session is None:
+            raise WeightUpdateError("no weight-update session is open; call begin_weight_update() first")
+        if session.failure is not None:
+            raise WeightUpdateError(f"session discarded, model unchanged: {session.failure}")
+        if not session.staged and session.weight_version is None:
+            return None, "Success (nothing staged)"
+        return session.commit(), f"Success: committed {len(session.staged)} tensors"
+
+    def fail_session(self, reason: str) -> None:
+        """Mark the open session failed (its commit is refused at end); no-op without one."""
+        with self._lock:
+            if self.session is not None and self.session.failure is None:
+                self.session.failure = reason
+
+    def _discard_session(self, why: str) -> None:
+        """Drop an open session and its staging (caller holds the lock)."""
+        if self.session is not None:
+            log.warning("weight update session discarded (%d tensors staged): %s", len(self.session.staged), why)
+            self.session = None
 
     # ---- receiving ----------------------------------------------------------------------------------------------
     def receive(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, weight_version: str | None
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: str | None,
+        load_format: str | None = None,
     ) -> ReceivedUpdate:
-        """Receive every broadcast tensor; raise WeightUpdateError (after draining) when any does not fit the model."""
-        if self.group_name is None or group_name != self.group_name:
+        """Receive one update's broadcast(s) from the trainer. Refuses before receiving what SGLang refuses before
+        receiving; refuses after receiving (drained) what does not fit the model. Staged in the open session when
+        there is one (the caller applies it otherwise)."""
+        if self.protocol.session and self.session is None:
             raise WeightUpdateError(
-                f"group {group_name!r} is not initialized here (current: {self.group_name!r}); "
-                f"call /init_weights_update_group first"
+                "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
             )
-        if not len(names) == len(dtypes) == len(shapes):
-            raise WeightUpdateError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
-        parsed = [parse_dtype(d) for d in dtypes]  # unknown dtypes cannot even be drained: fail before receiving
+        if load_format not in (None, "auto", FLATTENED_BUCKET):
+            raise WeightUpdateError(f"load_format={load_format!r}: use null (one tensor per broadcast) or "
+                                    f"{FLATTENED_BUCKET!r}")  # fmt: skip
+        if load_format == FLATTENED_BUCKET and not self.protocol.flattened_bucket:
+            raise WeightUpdateError(
+                f"load_format={FLATTENED_BUCKET!r} needs SGLang >= 0.5.6 (this engine follows {self.protocol.version})"
+            )
+        with self._lock:
+            group, lock = self.groups.get(group_name), self._group_locks.get(group_name)
+        if group is None or lock is None:
+            raise WeightUpdateError(
+                f"Group {group_name} not in {sorted(self.groups)}. Please call `init_weights_update_group` first."
+            )
+        parsed = [parse_dtype(d) for d in dtypes]  # an unknown dtype cannot even be drained: fail before receiving
+        if not len(names) == len(parsed) == len(shapes):
+            raise WeightUpdateError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(parsed)}/{len(shapes)}")
+        slots = None
+        if load_format == FLATTENED_BUCKET:
+            try:
+                slots = flat_bucket.layout(names, parsed, shapes)
+            except ValueError as e:
+                raise WeightUpdateError(f"Failed to receive weights: {e}") from None
         problems: list[str] = []
         targets: list[Target] = []
         for name, dtype, shape in zip(names, parsed, shapes):
@@ -103,15 +210,53 @@ class WeightUpdater:
             if problem:
                 problems.append(problem)
             targets.append(target)
-        received = []
-        for dtype, shape in zip(parsed, shapes):
-            buf = torch.empty(shape, dtype=dtype)
-            dist.broadcast(buf, src=0, group=self.group)
-            received.append(buf)
+        with lock:  # one update of a group at a time; other groups go on
+            try:
+                received = self._broadcasts(group, parsed, shapes, slots)
+            except RuntimeError as e:  # the trainer died or timed out mid-broadcast
+                self.fail_session(f"receiving over {group_name!r} failed: {e}")
+                raise WeightUpdateError(f"Failed to receive weights over {group_name!r}: {e}") from e
+        self._record(group_name, names, received)
         if problems:
             shown = "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
+            self.fail_session(shown)
             raise WeightUpdateError(f"update rejected, model unchanged: {shown}")
-        return ReceivedUpdate(targets, received, weight_version)
+        update = ReceivedUpdate(targets, received, weight_version)
+        self._stage(update, names, group_name)
+        return update
+
+    @staticmethod
+    def _broadcasts(
+        group: Any, dtypes: list[torch.dtype], shapes: list[list[int]], slots: list[flat_bucket.Slot] | None
+    ) -> list[torch.Tensor]:
+        if slots is not None:
+            buffer = torch.empty(flat_bucket.nbytes(slots), dtype=torch.uint8)
+            dist.broadcast(buffer, src=0, group=group)
+            return [flat_bucket.view(buffer, s) for s in slots]
+        out = []
+        for dtype, shape in zip(dtypes, shapes):
+            buf = torch.empty(shape, dtype=dtype)
+            dist.broadcast(buf, src=0, group=group)
+            out.append(buf)
+        return out
+
+    def _stage(self, update: ReceivedUpdate, names: list[str], group_name: str) -> None:
+        with self._lock:
+            session = self.session
+            if session is None:
+                return
+            session.groups.add(group_name)
+            for name, target, tensor in zip(names, update.targets, update.tensors):
+                session.staged[name] = (target, tensor)
+            if update.weight_version is not None:
+                session.weight_version = update.weight_version
+
+    def _record(self, group_name: str, names: list[str], tensors: list[torch.Tensor]) -> None:
+        with self._lock:
+            rec = self.traffic.setdefault(group_name, {"tensors": 0, "bytes": 0, "names": []})
+            rec["tensors"] += len(names)
+            rec["bytes"] += sum(t.nbytes for t in tensors)
+            rec["names"].extend(names)
 
     def _check(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[str | None, Target]:
         try:
@@ -125,6 +270,7 @@ class WeightUpdater:
             return f"{name}: dtype {dtype} != model {view.dtype} (cast on the trainer side)", target
         return None, target
 
+    # ---- reading and applying (on the scheduler thread, at a token boundary) ------------------------------------
     def get(self, name: str, truncate_size: int) -> list:
         """The first `truncate_size` rows of weight `name` (HF name) as float lists (SGLang's /get_weights_by_name)."""
         try:
@@ -132,6 +278,17 @@ class WeightUpdater:
         except KeyError:
             raise WeightUpdateError(f"{name}: no such weight in the model (HF on-disk names)") from None
         return target.view(self.tensors)[:truncate_size].float().tolist()
+
+    def checksums(self, skip: list[str] | None = None) -> dict[str, str]:
+        """SGLang's per-tensor checksums (flat_bucket.tensor_checksum) of every weight under its HF on-disk name,
+        skipping names that contain any of `skip` (SGLang's skip_tensor_list), so a trainer can compute the same
+        from the tensors it sent."""
+        out = {}
+        for name in on_disk_names(self.tensors):
+            if any(pattern in name for pattern in skip or ()):
+                continue
+            out[name] = flat_bucket.tensor_checksum(resolve(name, self.tensors).view(self.tensors))
+        return out
 
     def apply(self, update: ReceivedUpdate) -> None:
         """Copy a validated update into the model (called by the scheduler between forward passes)."""

@@ -1,0 +1,62 @@
+"""The weight-update process group: one trainer rank (rank 0) plus engine ranks, beside the learner's own world.
+
+Shared by the two ends of a weight push: the learner's stage sources (weight_sync/) host it, the embedded engine
+(rollout/engine/weights.py) joins it. Built the way SGLang's engines build theirs for `/init_weights_update_group`
+(the TCP store of a tcp:// rendezvous, hosted by rank 0 and namespaced by the group name, then a backend group over
+it), so the trainer side meets a real SGLang server and the embedded CPU engine alike; a process can hold several
+such groups next to its default group. torch has no public call for a second, independent group; this uses the
+same internals SGLang does.
+"""
+
+from __future__ import annotations
+
+import datetime
+import inspect
+import logging
+from typing import Any
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+def init_update_group(
+    backend: str, master_address: str, master_port: int, world_size: int, rank: int, group_name: str,
+    timeout_s: float,
+) -> Any:  # fmt: skip
+    """Join (rank 0: host) the update group; blocks until all `world_size` ranks joined or `timeout_s` passed."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # The store a tcp:// rendezvous makes, built directly: under torchrun, rendezvous() would make rank 0 a client of
+    # the elastic agent's store (TORCHELASTIC_USE_AGENT_STORE), and nobody would serve this group's port.
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+    store = PrefixStore(group_name, store)
+    # torch renamed pg_options to backend_options (2.6); pass whichever this torch takes
+    params = inspect.signature(_new_process_group_helper).parameters
+    options = {"backend_options" if "backend_options" in params else "pg_options": None}
+    group, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout, **options
+    )
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def destroy_update_group(group: Any) -> None:
+    dist.destroy_process_group(group)
+
+
+def abort_update_group(group: Any) -> None:
+    """Give up on a group whose peer died mid-collective: abort its communicator so pending work fails instead of
+    hanging (NCCL; torch's watchdog would otherwise kill the whole process at the group's timeout), then forget it.
+    Gloo has no abort: its blocked worker thread ends at the group's timeout; the group is dropped either way."""
+    from torch.distributed import distributed_c10d as c10d
+
+    abort = getattr(c10d, "_abort_process_group", None)
+    try:
+        if abort is not None and dist.get_backend(group) == "nccl":
+            abort(group)
+            return
+        dist.destroy_process_group(group)
+    except Exception as e:  # a broken group may refuse to be torn down; it is dropped either way
+        log.warning("dropping a broken update group: %r", e)
