@@ -1,7 +1,10 @@
 """The SGLang wire contract: the fields the client sends and parses, pinned to SGLang's own definitions.
 
 Source read: SGLang 0.5.23, the PyPI wheel sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl (its _version.py says
-0.5.23); older spellings from sgl-project/sglang at commit 0025436eab0556737d615b36a4dd3e1e26e82f3d
+0.5.23). The weight-update side is checked against the wheel itself (tests/rollout/sglang_source.py: the request
+structs' fields, the routes and methods, the engine's messages, and SGLang's FlattenedTensorBucket and checksum code
+run on our bytes); the generate side below pins what tokenizer_manager builds at run time. Older spellings from
+sgl-project/sglang at commit 0025436eab0556737d615b36a4dd3e1e26e82f3d
 (python/sglang/srt/entrypoints/http_server.py: /get_model_info and /get_weight_version -> {"weight_version"}).
 Files (paths inside the package): srt/managers/io_struct.py, srt/entrypoints/http_server.py,
 api/v1/api_types.py (the JSON contract /generate bodies are checked against), srt/managers/tokenizer_manager.py,
@@ -10,13 +13,17 @@ srt/managers/schedule_batch.py, srt/utils/weight_versions.py, srt/layers/sampler
 
 from __future__ import annotations
 
+import ast
 import json
 from typing import Any
 
 import pytest
+import torch
 
+from megatron_sao.distributed import flat_bucket
 from megatron_sao.rollout import protocol as P
 from megatron_sao.rollout.client import EngineError, SGLangClient
+from tests.rollout import sglang_source
 
 # io_struct.py `class GenerateReqInput` (dataclass) -- the request fields this project may send.
 GENERATE_REQ_INPUT_FIELDS = frozenset(
@@ -50,26 +57,6 @@ FINISH_REASON_KEYS = {"stop": {"type", "matched"}, "length": {"type", "length"},
 LOGPROB_ENTRY_LEN = 3
 # weight_versions.py `WeightVersionSpan` -> {"version": str, "start": int, "end": int} over output tokens.
 WEIGHT_VERSION_SPAN_KEYS = frozenset({"version", "start", "end"})
-# io_struct.py request structs of the control endpoints.
-INIT_WEIGHTS_UPDATE_GROUP_FIELDS = frozenset(
-    {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
-)  # InitWeightsUpdateGroupReqInput
-UPDATE_WEIGHTS_FROM_DISTRIBUTED_FIELDS = frozenset(
-    {
-        "names",
-        "dtypes",
-        "shapes",
-        "group_name",
-        "flush_cache",
-        "abort_all_requests",
-        "weight_version",
-        "load_format",
-        "torch_empty_cache",
-    }
-)  # UpdateWeightsFromDistributedReqInput (+ rid, http_worker_ipc from BaseReq)
-DESTROY_WEIGHTS_UPDATE_GROUP_FIELDS = frozenset({"group_name"})  # DestroyWeightsUpdateGroupReqInput
-ABORT_REQ_FIELDS = frozenset({"rid", "abort_all", "finished_reason", "abort_message", "weight_versions"})  # AbortReq
-PAUSE_MODES = frozenset({"abort", "retract", "in_place"})  # PauseGenerationReqInput.mode (default "abort")
 # http_server.py routes (0.5.23), plus the older /get_weight_version (commit 0025436e).
 ROUTES = {
     "/generate": {"POST", "PUT"},
@@ -180,24 +167,152 @@ def test_embedded_engine_serves_the_pinned_routes(engine_url: str) -> None:
     assert client.request("GET", P.GET_WEIGHT_VERSION) == {"weight_version": info["weight_version"]}
 
 
-def test_control_request_bodies_use_sglang_field_names() -> None:
-    sent: list[tuple[str, Any]] = []
+# ---- the weight-update protocol, against the wheel itself --------------------------------------------------------
+IO = "srt/managers/io_struct.py"
+# what each control call of SGLangClient sends, and the io_struct class that parses it (http_server.py's handlers)
+CONTROL_STRUCTS = {
+    P.INIT_WEIGHTS_UPDATE_GROUP: "InitWeightsUpdateGroupReqInput",
+    P.UPDATE_WEIGHTS_FROM_DISTRIBUTED: "UpdateWeightsFromDistributedReqInput",
+    P.DESTROY_WEIGHTS_UPDATE_GROUP: "DestroyWeightsUpdateGroupReqInput",
+    P.BEGIN_WEIGHT_UPDATE: "BeginWeightUpdateReqInput",
+    P.END_WEIGHT_UPDATE: "EndWeightUpdateReqInput",
+    P.UPDATE_WEIGHT_VERSION: "UpdateWeightVersionReqInput",
+    P.WEIGHTS_CHECKER: "CheckWeightsReqInput",
+    P.PAUSE_GENERATION: "PauseGenerationReqInput",
+    P.GET_WEIGHTS_BY_NAME: "GetWeightsByNameReqInput",
+    P.ABORT_REQUEST: "AbortReq",
+}
+
+
+def _sent_control_bodies() -> dict[str, Any]:
+    sent: dict[str, Any] = {}
 
     class Recorder(SGLangClient):
-        def request(self, method: str, path: str, body: Any = None, *, timeout_s: float | None = None) -> Any:
-            sent.append((path, body))
-            return {"success": True, "message": ""}
+        def request(self, method: str, path: str, body: Any = None, **kwargs: Any) -> Any:
+            sent[path] = (method, body)
+            return {"success": True, "message": "", "version": "0.5.23"}
 
     c = Recorder("http://127.0.0.1:1")
     c.init_weights_update_group("127.0.0.1", 29500, 1, 2, "g", "gloo")
-    c.update_weights_from_distributed(["w"], ["float32"], [[2]], group_name="g", weight_version=3)
+    c.update_weights_from_distributed(["w"], ["float32"], [[2]], group_name="g", weight_version=3,
+                                      flush_cache=False, load_format="flattened_bucket")  # fmt: skip
     c.destroy_weights_update_group("g")
-    c.abort("rid-1")
+    c.begin_weight_update()
+    c.end_weight_update()
+    c.update_weight_version(4)
+    c.weights_checksum(["lm_head.weight"])
     c.pause_generation("in_place")
-    bodies = dict(sent)
-    assert set(bodies[P.INIT_WEIGHTS_UPDATE_GROUP]) == INIT_WEIGHTS_UPDATE_GROUP_FIELDS
-    assert set(bodies[P.UPDATE_WEIGHTS_FROM_DISTRIBUTED]) <= UPDATE_WEIGHTS_FROM_DISTRIBUTED_FIELDS
-    assert bodies[P.UPDATE_WEIGHTS_FROM_DISTRIBUTED]["weight_version"] == "3"  # SGLang's weight_version is a str
-    assert set(bodies[P.DESTROY_WEIGHTS_UPDATE_GROUP]) == DESTROY_WEIGHTS_UPDATE_GROUP_FIELDS
-    assert set(bodies[P.ABORT_REQUEST]) <= ABORT_REQ_FIELDS
-    assert bodies[P.PAUSE_GENERATION]["mode"] in PAUSE_MODES
+    c.get_weights_by_name("model.norm.weight", 3)
+    c.abort("rid-1")
+    c.continue_generation()
+    return sent
+
+
+def test_control_bodies_are_fields_of_sglang_request_structs() -> None:
+    sent = _sent_control_bodies()
+    for path, cls in CONTROL_STRUCTS.items():
+        method, body = sent[path]
+        fields = set(sglang_source.class_fields(IO, cls))
+        assert set(body) <= fields, f"{path} sends {sorted(set(body) - fields)} that {cls} does not define"
+        assert method in sglang_source.routes()[path], f"{method} {path} is not routed by SGLang"
+    fields = sglang_source.class_fields(IO, "UpdateWeightsFromDistributedReqInput")
+    assert sent[P.UPDATE_WEIGHTS_FROM_DISTRIBUTED][1]["weight_version"] == "3"  # a str field in SGLang
+    mode = sglang_source.class_fields(IO, "PauseGenerationReqInput")["mode"].annotation
+    assert isinstance(mode, ast.Subscript) and ast.unparse(mode.value) == "Literal"
+    assert set(P.ServerProtocol(sglang_source.PINNED).pause_modes) == set(ast.literal_eval(mode.slice))
+    default = fields["flush_cache"].value
+    assert default is not None and ast.literal_eval(default) is True  # SGLang flushes unless told not: we always say
+
+
+def test_the_pinned_wheel_is_the_release_the_engine_emulates() -> None:
+    from megatron_sao.rollout.engine.server import EMULATED_SGLANG
+
+    assert sglang_source.version_string() == sglang_source.PINNED == EMULATED_SGLANG
+    proto = P.ServerProtocol(sglang_source.PINNED)
+    assert proto.session and proto.flattened_bucket and proto.flush_refusal_fails and proto.weights_checker
+    routes = sglang_source.routes()
+    for path in (P.SERVER_INFO, P.GET_SERVER_INFO, P.BEGIN_WEIGHT_UPDATE, P.END_WEIGHT_UPDATE, P.WEIGHTS_CHECKER,
+                 P.UPDATE_WEIGHT_VERSION, *(r for r in ROUTES if r != P.GET_WEIGHT_VERSION)):  # fmt: skip
+        assert path in routes, f"SGLang {sglang_source.PINNED} has no route {path}"
+    assert '"version": __version__' in sglang_source.source("srt/entrypoints/http_server.py")
+
+
+def test_engine_answers_with_sglang_s_own_messages() -> None:
+    """The refusals the embedded engine emulates are worded as SGLang words them (trainers match on them)."""
+    text = sglang_source.source("srt/managers/scheduler_components/weight_updater.py")
+    flat = " ".join(text.split())
+    for message in ("must run between \" \"begin_weight_update() and end_weight_update()",
+                    "a weight-update session is already open; \" \"call end_weight_update() first",
+                    "no weight-update session is open; call begin_weight_update() first",
+                    "Weights were updated, but the cache was not flushed because \" \"requests are still running"):
+        assert message in flat, message
+    model_runner = sglang_source.source("srt/model_executor/model_runner_components/weight_updater.py")
+    assert "Please discard the whole weights." in model_runner and 'load_format == "flattened_bucket"' in model_runner
+
+
+def _mixed_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "a.bias": torch.randn(3, generator=g).to(torch.bfloat16),
+        "b.weight": torch.randn(5, 7, generator=g),
+        "c.scale": torch.tensor(2.5, dtype=torch.float64),
+        "d.weight": torch.randn(2, 3, generator=g).to(torch.float16),
+        "e.idx": torch.arange(5, dtype=torch.int8),
+        "f.weight": torch.randn(4, generator=g),
+    }
+
+
+def test_our_flattened_bucket_is_read_by_sglang_s_own_bucket_code() -> None:
+    bucket_cls = sglang_source.tensor_bucket_module().FlattenedTensorBucket
+    tensors = _mixed_tensors()
+    names = flat_bucket.aligned_order(list(tensors), lambda n: tensors[n].dtype)
+    dtypes, shapes = [flat_bucket.dtype_name(tensors[n].dtype) for n in names], [list(tensors[n].shape) for n in names]
+    slots = flat_bucket.layout(names, [tensors[n].dtype for n in names], shapes)
+    buffer = torch.empty(flat_bucket.nbytes(slots), dtype=torch.uint8)
+    for slot in slots:
+        flat_bucket.view(buffer, slot).copy_(tensors[slot.name])
+    theirs = bucket_cls.empty(names, dtypes, shapes, "cpu")
+    assert [(m.start_idx, m.end_idx) for m in theirs.get_metadata()] == [(s.start, s.end) for s in slots]
+    theirs.get_flattened_tensor().copy_(buffer)  # what their broadcast receive writes
+    for name, tensor in theirs.reconstruct_tensors():
+        assert tensor.dtype == tensors[name].dtype and torch.equal(tensor, tensors[name]), name
+    # SGLang builds a send bucket from named tensors the same way: identical bytes
+    assert torch.equal(bucket_cls(named_tensors=[(n, tensors[n]) for n in names]).get_flattened_tensor(), buffer)
+    bad = ["a.bias", "b.weight"]  # bf16[3] (6 bytes) then fp32: unaligned for both of us
+    with pytest.raises(ValueError, match="Unaligned received tensor b.weight"):
+        bucket_cls.empty(bad, ["bfloat16", "float32"], [[3], [5, 7]], "cpu")
+    with pytest.raises(ValueError, match="Unaligned received tensor b.weight"):
+        flat_bucket.layout(bad, [torch.bfloat16, torch.float32], [[3], [5, 7]])
+
+
+def _sglang_function(path: str, name: str, namespace: dict[str, Any]) -> Any:
+    """One function of SGLang's source, executed alone in `namespace`."""
+    for node in ast.walk(ast.parse(sglang_source.source(path))):
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            exec(compile(ast.Module([node], []), path, "exec"), namespace)
+            return namespace[name]
+    raise KeyError(name)
+
+
+def test_our_checksums_are_sglang_s_on_cpu() -> None:
+    import hashlib
+
+    ns: dict[str, Any] = {"hashlib": hashlib, "torch": torch, "Dict": dict, "flatten_nested_list": None,
+                          "gpu_tensor_hash": None}  # fmt: skip
+    tensor_hash = _sglang_function("srt/managers/mm_utils.py", "tensor_hash", ns)
+    overall = _sglang_function("srt/utils/weight_checker.py", "overall_checksum", ns)
+    tensors = _mixed_tensors()
+    ours = {n: flat_bucket.tensor_checksum(t) for n, t in tensors.items()}
+    assert ours == {n: f"{tensor_hash(t):016x}" for n, t in tensors.items()}
+    assert flat_bucket.overall_checksum(ours) == overall(ours)
+
+
+def test_versions_decide_the_protocol() -> None:
+    assert P.parse_version("0.5.6.post2") == (0, 5, 6) and P.parse_version("0.5.24rc1") == (0, 5, 24)
+    old, mid, new = P.ServerProtocol("0.5.5"), P.ServerProtocol("0.5.20"), P.ServerProtocol("0.5.22")
+    assert not old.flattened_bucket and old.pause_modes == ("abort",) and not old.server_info_route
+    assert mid.flattened_bucket and mid.version_spans and not mid.session and not mid.flush_refusal_fails
+    assert new.session and new.flush_refusal_fails and not new.staged
+    assert P.ServerProtocol.from_server_info({"version": "0.5.23", "engine": P.EMBEDDED_ENGINE}).staged
+    with pytest.raises(ValueError, match="carries no 'version'"):
+        P.ServerProtocol.from_server_info({}, "http://x:1")
