@@ -1,4 +1,4 @@
-"""`weight_sync` section: resharding the learner's weights and broadcasting them to the engines."""
+"""`weight_sync` section: resharding the learner's weights and broadcasting them to the engines (weight_sync/)."""
 
 from __future__ import annotations
 
@@ -11,20 +11,48 @@ from megatron_sao.config.base import Section
 
 class WeightSyncConfig(Section):
     backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """auto: nccl when CUDA is available, else gloo."""
+    """Backend of the update groups with the engines. auto: nccl when CUDA is available, else gloo."""
 
     interval: int = Field(default=1, ge=1)
-    """Push weights to the engines every `interval` policy steps."""
+    """Push weights to the engines every `interval` policy steps (and whenever an engine joined, or a push failed)."""
 
     bucket_mb: float = Field(default=512, gt=0)
-    """Tensors are broadcast in buckets of about this size."""
+    """Per bucket, what a stage source receives from its gather group and what it sends stay within this many MB
+    (a larger single tensor travels alone); a push holds about two buckets plus the largest tensor per rank."""
 
-    master_addr: str = "127.0.0.1"
+    master_addr: str = "auto"
+    """Address each stage source hosts its update group at. auto: the source's own address towards the engines
+    (loopback when every engine is on loopback). A loopback address is refused when an engine is remote."""
+
     master_port: int = Field(default=29700, ge=1024, le=65535)
+    """Stage p's group listens on master_port + p (+ num_stages x attempt after a failed push)."""
+
     group_name: str = "sao_weight_sync"
+    """Prefix of the update groups' names (<group_name>_pp<stage>_a<attempt>)."""
+
+    load_format: Literal["auto", "flattened_bucket", "per_tensor"] = "auto"
+    """auto: each bucket as one flat buffer and one broadcast when every engine understands it (SGLang >= 0.5.6),
+    else one broadcast per tensor; flattened_bucket: refuse engines that do not; per_tensor: always per tensor."""
 
     flush_cache: bool = True
-    """Ask engines to flush their prefix cache after each update."""
+    """Flush the engines' prefix cache after a push. Asked only with pause_mode abort or retract: with in_place the
+    paused requests keep their KV, and SGLang refuses a flush then (0.5.22+ fails the update, older servers die)."""
 
-    pause_mode: Literal["in_place", "abort", "none"] = "in_place"
-    """How engines pause around an update: keep requests in flight (in place), abort them, or not at all."""
+    pause_mode: Literal["in_place", "abort", "retract", "none"] = "in_place"
+    """How engines pause during a push: in_place keeps requests and their KV (tokens after the push carry the new
+    version), retract requeues them, abort ends them, none keeps generating (the embedded engine stages the push and
+    switches at one step; SGLang waits for running requests before loading)."""
+
+    verify: Literal["auto", "checksum", "sample", "off"] = "auto"
+    """Check what the engines hold after a push before it is live: checksum compares every tensor's checksum
+    (/weights_checker) with what was sent (the embedded engine; auto uses it there); sample compares the first rows
+    of `verify_tensors` (/get_weights_by_name; auto uses it for SGLang). An engine that differs stays paused."""
+
+    verify_tensors: list[str] = Field(default_factory=lambda: ["model.norm.weight"])
+    """HF names sampled by the `sample` check (tensors SGLang keeps unfused)."""
+
+    connect_timeout_s: float = Field(default=300.0, gt=0)
+    """Forming one stage's update group (every engine rank joins)."""
+
+    bucket_timeout_s: float = Field(default=300.0, gt=0)
+    """One bucket reaching every engine; past it the group is aborted, the push fails and is retried later."""

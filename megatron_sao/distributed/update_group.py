@@ -20,17 +20,38 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 
+def host_store(
+    master_address: str, master_port: int, world_size: int, timeout_s: float, tries: int = 16
+) -> tuple[Any, int]:
+    """Rank 0: bind the group's TCP store now, on `master_port` or the next free one of `tries` ports, without waiting
+    for anyone; (store, port). Binding before the engines are asked to join means a port in use fails here, at once,
+    instead of leaving every engine waiting out its join timeout."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    for port in range(master_port, master_port + tries):
+        try:
+            store = dist.TCPStore(master_address, port, world_size, is_master=True, timeout=timeout,
+                                  wait_for_workers=False)  # fmt: skip
+        except (RuntimeError, OSError) as e:  # DistNetworkError (EADDRINUSE) is a RuntimeError
+            if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
+                raise
+            continue
+        return store, port
+    raise RuntimeError(f"ports {master_port}..{master_port + tries - 1} on {master_address} are all in use")
+
+
 def init_update_group(
     backend: str, master_address: str, master_port: int, world_size: int, rank: int, group_name: str,
-    timeout_s: float,
+    timeout_s: float, store: Any = None,
 ) -> Any:  # fmt: skip
-    """Join (rank 0: host) the update group; blocks until all `world_size` ranks joined or `timeout_s` passed."""
+    """Join (rank 0: host, or pass the store host_store() bound) the update group; blocks until all `world_size`
+    ranks joined or `timeout_s` passed."""
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     timeout = datetime.timedelta(seconds=timeout_s)
     # The store a tcp:// rendezvous makes, built directly: under torchrun, rendezvous() would make rank 0 a client of
     # the elastic agent's store (TORCHELASTIC_USE_AGENT_STORE), and nobody would serve this group's port.
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+    if store is None:
+        store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
     store = PrefixStore(group_name, store)
     # torch renamed pg_options to backend_options (2.6); pass whichever this torch takes
     params = inspect.signature(_new_process_group_helper).parameters

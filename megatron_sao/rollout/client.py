@@ -315,7 +315,14 @@ class NoHealthyEngine(RuntimeError):
 
 class EngineRouter:
     """Spreads /generate calls over engines by outstanding load; fails a request over to another engine when its
-    engine is unreachable or times out. Down engines are probed again by `check_health()`."""
+    engine is unreachable or times out. Down engines are probed again by `check_health()`.
+
+    Engines behind on weights get no new work: every answer carries the engine's weight_version, and an engine whose
+    version is below the newest one seen on a healthy engine (a restarted engine back on its launch weights, a late
+    one, one the learner keeps paused after a partial push) is left out until a probe (every VERSION_PROBE_S) finds
+    it caught up -- the learner pushes to an engine as soon as it joins. When every engine lags, all are used."""
+
+    VERSION_PROBE_S = 2.0
 
     def __init__(self, clients: list[SGLangClient]) -> None:
         if not clients:
@@ -325,33 +332,66 @@ class EngineRouter:
         self._outstanding = {c.url: 0 for c in clients}
         self._healthy = {c.url: True for c in clients}
         self._counts = {c.url: {"requests": 0, "failures": 0, "tokens": 0} for c in clients}
+        self._versions: dict[str, int] = {}  # last weight_version each engine reported
+        self._probed = {c.url: 0.0 for c in clients}
 
     @classmethod
     def from_urls(cls, urls: list[str], **client_kwargs: Any) -> EngineRouter:
-        return cls([SGLangClient(u, **client_kwargs) for u in urls])
+        return cls([SGLangClient(u) for u in urls])
+
+    def _newest(self) -> int | None:
+        known = [v for u, v in self._versions.items() if self._healthy[u]]
+        return max(known) if known else None
+
+    def lagging(self) -> list[str]:
+        """Healthy engines behind the newest weights seen (no new work goes to them)."""
+        with self._lock:
+            newest = self._newest()
+            if newest is None:
+                return []
+            return sorted(u for u, v in self._versions.items() if self._healthy[u] and v < newest)
 
     def _pick(self, exclude: set[str]) -> SGLangClient:
         with self._lock:
             live = [c for c in self.clients if self._healthy[c.url] and c.url not in exclude]
             if not live:
                 raise NoHealthyEngine(f"no healthy engine left (down: {self.down()}, tried: {sorted(exclude)})")
-            best = min(live, key=lambda c: self._outstanding[c.url])
+            newest = self._newest()
+            current = [c for c in live if newest is None or self._versions.get(c.url, newest) >= newest]
+            best = min(current or live, key=lambda c: self._outstanding[c.url])
             self._outstanding[best.url] += 1
             self._counts[best.url]["requests"] += 1
             return best
 
-    def _done(self, client: SGLangClient, ok: bool, tokens: int = 0) -> None:
+    def _done(self, client: SGLangClient, ok: bool, tokens: int = 0, version: int | None = None) -> None:
         with self._lock:
             self._outstanding[client.url] -= 1
             self._counts[client.url]["tokens"] += tokens
+            if version is not None:
+                self._versions[client.url] = version
             if not ok:
                 self._counts[client.url]["failures"] += 1
                 self._healthy[client.url] = False
 
+    def _probe_lagging(self) -> None:
+        """Ask the lagging engines for their version again (at most every VERSION_PROBE_S each)."""
+        now = time.monotonic()
+        due = [c for c in self.clients if c.url in self.lagging() and now - self._probed[c.url] >= self.VERSION_PROBE_S]
+        for c in due:
+            self._probed[c.url] = now
+            try:
+                version = c.weight_version()
+            except (OSError, EngineError, ValueError):
+                continue
+            with self._lock:
+                self._versions[c.url] = version
+
     def generate(
         self, input_ids: list[int], sampling_params: dict[str, Any], *, timeout_s: float | None = None
     ) -> tuple[P.GenerateResult, str]:
-        """Generate on the least-loaded healthy engine, failing over; returns (result, engine url)."""
+        """Generate on the least-loaded healthy engine that is not behind on weights, failing over; returns (result,
+        engine url)."""
+        self._probe_lagging()
         tried: set[str] = set()
         while True:
             client = self._pick(tried)
@@ -365,22 +405,33 @@ class EngineRouter:
             except BaseException:
                 self._done(client, ok=True)
                 raise
-            self._done(client, ok=True, tokens=len(result.output_ids))
+            self._done(client, ok=True, tokens=len(result.output_ids), version=result.weight_version)
             return result, client.url
 
     def check_health(self) -> dict[str, bool]:
-        """Probe every engine; a down engine that answers again is taken back."""
+        """Probe every engine; a down engine that answers again is taken back once its weight version is known (it
+        may have restarted on its launch weights: then it waits for the learner's next push)."""
         status = {c.url: c.health() for c in self.clients}
+        back = {c.url: c for c in self.clients if status[c.url] and not self._healthy[c.url]}
+        versions: dict[str, int] = {}
+        for url, c in back.items():
+            try:
+                versions[url] = c.weight_version()
+            except (OSError, EngineError, ValueError):
+                status[url] = False  # answers /health but not /model_info yet: not back
         with self._lock:
             self._healthy.update(status)
+            self._versions.update(versions)
         return status
 
     def down(self) -> list[str]:
         return sorted(u for u, ok in self._healthy.items() if not ok)
 
     def stats(self) -> dict[str, Any]:
+        lagging = set(self.lagging())
         with self._lock:
             return {
-                u: {**self._counts[u], "outstanding": self._outstanding[u], "healthy": self._healthy[u]}
+                u: {**self._counts[u], "outstanding": self._outstanding[u], "healthy": self._healthy[u],
+                    "weight_version": self._versions.get(u), "lagging": u in lagging}
                 for u in self._outstanding
-            }
+            }  # fmt: skip

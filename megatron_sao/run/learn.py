@@ -3,7 +3,8 @@
     resume from learner.load / save_dir/latest (weights, optimizers, version, bus de-dup state), else load HF
     rank 0: receive trajectories_per_step finished trajectories from the bus; every rank gets the same list
     learner.train_step: K value updates, one DIS policy update (version += 1)
-    every weight_sync.interval versions: gather the policy as HF tensors, broadcast them to the engines
+    every weight_sync.interval versions (and when an engine joined or a push failed): every pipeline stage gathers
+        its layers as HF tensors and its source broadcasts them to the engines (weight_sync/)
     every learner.save_interval versions and at the end: checkpoint (with the bus state), then commit the bus
     one progress line per step on rank 0, every metric in <run_dir>/metrics.jsonl
 
@@ -30,6 +31,9 @@ log = logging.getLogger(__name__)
 
 WAIT_LOG_S = 30.0
 """A learner waiting for trajectories says so this often (with what the bus saw)."""
+FINAL_PUSH_ATTEMPTS = 6
+FINAL_PUSH_RETRY_S = 5.0
+"""After the last step, a failed push is retried this many times, this far apart."""
 RESYNC_AFTER_S = 5.0
 """A learner that waited this long while the engines may lag it pushes its weights again (see _fill)."""
 
@@ -58,53 +62,49 @@ def _share(obj: Any) -> Any:
     return box[0]
 
 
-def sync_weights(learner: Any, broadcaster: Any, chunk_mb: float) -> dict[str, float]:
-    """Collective: every rank gathers, rank 0 pushes the policy to the engines at learner.version."""
-    import torch
-
-    from megatron_sao.weight_sync.export import hf_dtype_of, iter_hf_weights
-
-    assert learner.policy is not None
-    dtype_of = hf_dtype_of(learner.hf_source, torch.float32 if learner.spec.dtype == "fp32" else torch.bfloat16)
-    weights = iter_hf_weights(learner.policy.model, learner.spec, dtype_of, int(chunk_mb * 2**20))
-    if broadcaster is None:  # not rank 0: take part in the gathers
-        for _ in weights:
-            pass
-        return {}
-    from megatron_sao.weight_sync import WeightSyncError
-
-    try:
-        return broadcaster.push(weights, learner.version)
-    except WeightSyncError as e:
-        for _ in weights:  # the other ranks still walk every chunk: finish the gathers with them
-            pass
-        log.error("weight sync to the engines failed at version %d (training goes on; the next sync retries): %s",
-                  learner.version, e)  # fmt: skip
-        return {"sync/failed": 1.0}
-
-
 class EngineWeights:
     """Which policy version the engines hold, as far as the learner knows, and when to push (every rank alike)."""
 
-    def __init__(self, learner: Any, broadcaster: Any, cfg: WeightSyncConfig, enabled: bool) -> None:
-        self.learner, self.broadcaster, self.cfg, self.enabled = learner, broadcaster, cfg, enabled
+    def __init__(self, learner: Any, sync: Any, cfg: WeightSyncConfig) -> None:
+        self.learner, self.sync, self.cfg = learner, sync, cfg  # sync: a WeightSync, or None without engines
         self.version = 0  # engines start from the HF weights
         self.failed = False  # the last push failed: retried at the next step, whatever the interval
+
+    @property
+    def enabled(self) -> bool:
+        return self.sync is not None
 
     @property
     def lagging(self) -> bool:
         return self.enabled and (self.failed or self.learner.version != self.version)
 
-    @property
     def due(self) -> bool:
+        """Collective: push now? On the interval, after a failed push, or when the set of engines changed (one came
+        back or joined: it is brought to the current version before the router gives it work)."""
+        if not self.enabled:
+            return False
         v = self.learner.version
-        return self.enabled and v != self.version and (self.failed or v % self.cfg.interval == 0)
+        if v != self.version and (self.failed or v % self.cfg.interval == 0):
+            return True
+        return self.sync.engines_changed()
+
+    def finish(self, attempts: int = FINAL_PUSH_ATTEMPTS) -> dict[str, float]:
+        """Collective, at the end of training: the engines must end up with the final weights, so a last push that
+        failed (an engine restarting) is retried, every FINAL_PUSH_RETRY_S, a few times; the last retry's metrics."""
+        metrics: dict[str, float] = {}
+        for attempt in range(attempts):
+            if not self.lagging:
+                break
+            if attempt:
+                time.sleep(FINAL_PUSH_RETRY_S)
+            metrics = self.push()
+        if self.lagging and dist.get_rank() == 0:
+            log.error("the engines do not hold the final version %d (the last pushes failed)", self.learner.version)
+        return metrics
 
     def push(self) -> dict[str, float]:
-        """Collective: push the learner's weights (rank 0 talks to the engines); the same metrics on every rank."""
-        result: dict[str, float] = (
-            _share(sync_weights(self.learner, self.broadcaster, self.cfg.bucket_mb) or None) or {}
-        )
+        """Collective: push the learner's weights; the same metrics on every rank."""
+        result: dict[str, float] = _share(self.sync.push(self.learner.version) or None) or {}
         self.failed = bool(result.get("sync/failed"))
         if not self.failed:
             self.version = self.learner.version
@@ -150,7 +150,6 @@ def learn(cfg: SAOConfig, engine_urls: list[str], on_ready: Callable[[], None] |
     from megatron_sao.distributed.bootstrap import destroy_distributed, init_distributed
     from megatron_sao.learner.checkpoint import load_checkpoint, save_checkpoint
     from megatron_sao.learner.learner import Learner
-    from megatron_sao.weight_sync import WeightBroadcaster
 
     init_distributed(cfg.parallel, seed=cfg.learner.seed)
     rank0 = dist.get_rank() == 0
@@ -170,9 +169,9 @@ def learn(cfg: SAOConfig, engine_urls: list[str], on_ready: Callable[[], None] |
     run_dir = Path(cfg.launch.run_dir)
     save_dir = str(checkpoint_dir(cfg))
     receiver = TrajectoryReceiver(cfg.bus, lambda: learner.version, state=extra.get("bus")) if rank0 else None
-    broadcaster = WeightBroadcaster(cfg.weight_sync, engine_urls) if rank0 and engine_urls else None
+    sync = _weight_sync(learner, cfg, engine_urls) if engine_urls else None
     metrics_log = MetricsLog(run_dir / "metrics.jsonl") if rank0 else None
-    engines = EngineWeights(learner, broadcaster, cfg.weight_sync, enabled=bool(engine_urls))
+    engines = EngineWeights(learner, sync, cfg.weight_sync)
     steps = 0
     saved_at = learner.version if resume is not None else -1
     try:
@@ -195,7 +194,7 @@ def learn(cfg: SAOConfig, engine_urls: list[str], on_ready: Callable[[], None] |
             metrics = learner.train_step(batch)
             step_s = time.monotonic() - t0
             steps += 1
-            if engines.due:  # a skipped step (nothing trainable) leaves the version: nothing new to push or save
+            if engines.due():  # a skipped step (nothing trainable) leaves the version: nothing new to push or save
                 metrics.update(engines.push())
             due = learner.version % cfg.learner.save_interval == 0 or learner.version >= cfg.learner.max_steps
             if due and learner.version != saved_at:
@@ -209,12 +208,15 @@ def learn(cfg: SAOConfig, engine_urls: list[str], on_ready: Callable[[], None] |
                 print(f"[learner] {_progress(step_s, batch, metrics, cfg.learner.max_steps)}", flush=True)
         if saved_at != learner.version:
             _save(learner, save_dir, receiver, save_checkpoint)
+        final = engines.finish()
+        if final and metrics_log is not None:
+            metrics_log.write({"version": learner.version, "time": time.time(), **final})
     finally:
-        if broadcaster is not None:
+        if sync is not None:
             try:
-                broadcaster.close()
+                sync.close()
             except Exception as e:  # the run's result does not depend on a clean goodbye
-                log.warning("closing the weight update group: %r", e)
+                log.warning("closing the weight update groups: %r", e)
         if receiver is not None:
             receiver.close()
         if metrics_log is not None:
@@ -222,6 +224,17 @@ def learn(cfg: SAOConfig, engine_urls: list[str], on_ready: Callable[[], None] |
     summary = {"version": learner.version, "steps": steps, "save_dir": save_dir, "run_dir": str(run_dir)}
     destroy_distributed()
     return summary
+
+
+def _weight_sync(learner: Any, cfg: SAOConfig, engine_urls: list[str]) -> Any:
+    """Collective: the learner's WeightSync (the plan of every stage's gathers, rank 0's engine set)."""
+    import torch
+
+    from megatron_sao.weight_sync import WeightSync, hf_dtype_of
+
+    assert learner.policy is not None
+    dtype_of = hf_dtype_of(learner.hf_source, torch.float32 if learner.spec.dtype == "fp32" else torch.bfloat16)
+    return WeightSync(learner.policy.model, learner.spec, dtype_of, cfg.weight_sync, engine_urls)
 
 
 def _fill(receiver: Any, held: list[Trajectory], n: int, lagging: bool) -> bool:

@@ -1,8 +1,9 @@
-"""Learner -> engines weight sync: gather the policy's shards into HF tensors on learner rank 0 (export.py) and
-broadcast them over a process group shared with the engines (group.py), driven over SGLang's HTTP protocol
-(broadcaster.py). The embedded engine joins the same kind of group (rollout/engine/weights.py)."""
+"""Learner -> engines weight sync, per pipeline stage: plan.py (what moves where), gather.py (in-stage gathers into
+HF tensors, packed), sender.py (a stage source's update group and bucket sends), engines.py (rank 0: membership,
+protocol by SGLang release, session, verification), sync.py (the collective push). The embedded engine's side is
+rollout/engine/weights.py; both ends share distributed/update_group.py and distributed/flat_bucket.py."""
 
-from megatron_sao.weight_sync.broadcaster import WeightBroadcaster, WeightSyncError
-from megatron_sao.weight_sync.export import iter_hf_weights
+from megatron_sao.weight_sync.sender import WeightSyncError
+from megatron_sao.weight_sync.sync import WeightSync, gather_hf_tensors, hf_dtype_of
 
-__all__ = ["WeightBroadcaster", "WeightSyncError", "iter_hf_weights"]
+__all__ = ["WeightSync", "WeightSyncError", "gather_hf_tensors", "hf_dtype_of"]

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from megatron_sao.distributed import flat_bucket
-from megatron_sao.distributed.update_group import init_update_group
+from megatron_sao.distributed.update_group import host_store, init_update_group
 from megatron_sao.rollout.client import SGLangClient
 
 
@@ -32,9 +32,10 @@ def join_group(clients: list[SGLangClient], port: int, name: str = "g", timeout_
     """Form update group `name`: the engines as ranks 1.., this process as rank 0."""
     box: dict[str, Any] = {}
     world = 1 + len(clients)
+    store, port = host_store("127.0.0.1", port, world, timeout_s)  # bound before the engines dial it
     threads = [in_thread(box, c.url, c.init_weights_update_group, "127.0.0.1", port, i + 1, world, name, "gloo")
                for i, c in enumerate(clients)]  # fmt: skip
-    group = init_update_group("gloo", "127.0.0.1", port, world, 0, name, timeout_s)
+    group = init_update_group("gloo", "127.0.0.1", port, world, 0, name, timeout_s, store=store)
     for t in threads:
         t.join(timeout_s)
     for c in clients:

@@ -341,3 +341,51 @@ def test_a_post_is_resent_while_the_connection_is_refused() -> None:
         for s in holder:
             s.shutdown()
             s.server_close()
+
+
+class _VersionedEngine(SGLangClient):
+    """A fake engine: answers /generate with its current weight_version; up or down at will."""
+
+    def __init__(self, url: str, version: int) -> None:
+        super().__init__(url)
+        self.version, self.up, self.served = version, True, 0
+
+    def generate(self, input_ids: list[int], sampling_params: dict[str, Any], **_: Any) -> P.GenerateResult:
+        if not self.up:
+            raise EngineUnavailable(f"{self.url} is down")
+        self.served += 1
+        return P.GenerateResult("r", [1], [-0.1], [self.version], "length", {"type": "length"}, self.version, 1)
+
+    def weight_version(self) -> int:
+        return self.version
+
+    def health(self, timeout_s: float = 5.0) -> bool:
+        return self.up
+
+
+def test_router_keeps_work_off_an_engine_behind_on_weights_until_it_caught_up() -> None:
+    a, b = _VersionedEngine("http://a:1", 5), _VersionedEngine("http://b:1", 5)
+    router = EngineRouter([a, b])
+    router.VERSION_PROBE_S = 0.0
+    router._outstanding["http://a:1"] = 10  # a is busy: an engine on current weights, b, gets the work
+    router.generate([1], {"max_new_tokens": 1})
+    assert b.served == 1
+    b.up = False  # b dies and comes back on its launch weights (version 0)
+    router.generate([1], {"max_new_tokens": 1})
+    assert router.down() == ["http://b:1"]
+    b.up, b.version = True, 0
+    router.check_health()
+    assert router.lagging() == ["http://b:1"] and router.stats()["http://b:1"]["lagging"]
+    for _ in range(4):  # busy or not, a takes the work while b lags
+        _, url = router.generate([1], {"max_new_tokens": 1})
+        assert url == "http://a:1"
+    assert b.served == 1, "an engine on old weights got work"
+    b.version = 5  # the learner pushed to it; the next probe sees it
+    _, url = router.generate([1], {"max_new_tokens": 1})
+    assert url == "http://b:1" and router.lagging() == []
+    router._versions = {"http://a:1": 3, "http://b:1": 2}  # only lagging engines left up: they still serve
+    a.up = False
+    router.check_health()
+    b.version = 2
+    _, url = router.generate([1], {"max_new_tokens": 1})
+    assert url == "http://b:1"

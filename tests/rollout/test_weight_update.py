@@ -103,7 +103,7 @@ def trainer(engine_url: str, model_dir: str, port: int) -> dict[str, Any]:
     out["unchanged_after_cut"] = all(torch.equal(_rows(client, n), new[n][:3].float()) for n in names)
     out["v_after_cut"] = client.weight_version()
     # a new connection pushes a complete session again; the checksum matches the trainer's bytes
-    group = join_group([client], port + 1, name="g2")
+    group = join_group([client], find_free_port(), name="g2")
     again = {k: v * 0.5 for k, v in new.items()}
     out["again"] = session_push([client], again, 3, group, group_name="g2", flattened=True)[client.url]
     out["v_again"] = client.weight_version()

@@ -1,130 +1,313 @@
-"""The learner's policy reaches the engines exactly: export at TP/EP/PP layouts reproduces the HF tensors, and a
-push through WeightBroadcaster lands bit-exact in a running embedded engine with the new version; a push the
-engine refuses leaves it unchanged, raises WeightSyncError naming the tensor, and the next push reconnects."""
+"""Pushes through WeightSync into running embedded engines: from a 4-rank learner (TP=2 x PP=2, EP=2 x PP=2) into
+two engines, whose log-probs then equal the learner's, each stage having sent only its own layers over its own
+group; a push refused or cut at any bucket leaves the engine's weights and version exactly as before, and it keeps
+generating; a generation in flight across a push carries two versions, with no flush SGLang forbids."""
 
 from __future__ import annotations
 
 import os
+import signal
+import threading
+import time
 from typing import Any
 
 import pytest
 import torch
 
-from megatron_sao.distributed import spawn_ranks
-from tests.learner.test_learner_step import learner_config
+from megatron_sao.distributed import RankFailure, spawn_ranks
+from megatron_sao.distributed.spawn import find_free_port
+from megatron_sao.rollout import protocol as P
+from megatron_sao.rollout.client import SGLangClient
+from tests.learner.test_learner_step import learner_config, on_policy
+
+PROMPT = [3, 17, 29, 5, 11]
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+LOGP_TOL = 1e-4  # fp32 megatron learner (CPU) vs the engine's transformers model on the same weights
 
 
-def _export(hf_dir: str, layout: dict[str, int]) -> dict[str, torch.Tensor]:
+def _learner(hf_dir: str, layout: dict[str, int], port: int, bucket_mb: float, **sync: Any) -> tuple[Any, Any]:
     from megatron_sao.distributed import init_distributed
     from megatron_sao.learner.learner import Learner
-    from megatron_sao.weight_sync.export import hf_dtype_of, iter_hf_weights
 
     cfg = learner_config(hf_dir, layout, int(os.environ["WORLD_SIZE"]))
+    cfg.weight_sync.master_port, cfg.weight_sync.bucket_mb = port, bucket_mb
+    for key, value in sync.items():
+        setattr(cfg.weight_sync, key, value)
     init_distributed(cfg.parallel, seed=3)
-    learner = Learner(cfg, roles={"policy"})
+    learner = Learner(cfg)
     learner.load_hf(hf_dir)
-    dtype_of = hf_dtype_of(learner.hf_source, torch.float32)
-    return dict(iter_hf_weights(learner.policy.model, learner.spec, dtype_of, chunk_bytes=20_000))
+    return cfg, learner
 
 
-@pytest.mark.multiproc
-@pytest.mark.parametrize(
-    ("family", "layout"),
-    [("qwen3_moe", {"tensor": 2}), ("glm4_moe", {"pipeline": 2}), ("glm_moe_dsa", {"expert": 2})],
-)
-def test_export_reproduces_the_hf_checkpoint_at_every_layout(tiny_hf_dir: Any, family: str, layout: dict) -> None:
-    from megatron_sao.models.builder import ModelSpec
-    from megatron_sao.models.weights import TIED_LM_HEAD, HFCheckpoint, is_passthrough
+def _sync(learner: Any, cfg: Any, urls: list[str]) -> Any:
+    from megatron_sao.weight_sync import WeightSync, hf_dtype_of
 
-    hf_dir = str(tiny_hf_dir(family))
-    per_rank = spawn_ranks(_export, 2, hf_dir, layout, timeout_s=300)
-    assert per_rank[1] == {}, "only rank 0 yields"
-    got = per_rank[0]
-    hf, spec = HFCheckpoint(hf_dir), ModelSpec.from_hf_dir(hf_dir)
-    # every tensor the megatron model holds; not the ones it carries unchanged (DSA indexer, MTP), nor a tied
-    # lm_head (the engine ties it to the embedding it receives)
-    want = {n for n in hf.names() if not is_passthrough(spec, n)} - ({TIED_LM_HEAD} if spec.tie_embeddings else set())
-    assert set(got) == want
-    for name, tensor in got.items():
-        ref = hf.get(name)
-        assert tensor.dtype == ref.dtype and tensor.shape == ref.shape, name
-        assert torch.equal(tensor, ref), name
+    return WeightSync(learner.policy.model, learner.spec, hf_dtype_of(learner.hf_source, torch.float32),
+                      cfg.weight_sync, urls)  # fmt: skip
 
 
-def _push_to_engine(url: str, hf_dir: str, port: int) -> dict[str, Any]:
-    from safetensors.torch import load_file
+def _learner_logprobs(learner: Any, tokens: list[int], prompt_len: int) -> list[float] | None:
+    """The learner's log-probs (temperature 1) of tokens[prompt_len:]; on the ranks that hold outputs, else None."""
+    import numpy as np
 
-    from megatron_sao.config.weight_sync import WeightSyncConfig
-    from megatron_sao.rollout.client import SGLangClient
-    from megatron_sao.weight_sync import WeightBroadcaster, WeightSyncError
+    from megatron_sao.learner.batch import make_step_batch
+    from megatron_sao.learner.forward import collect_logprobs
+    from megatron_sao.learner.packing import pack_microbatches
+    from megatron_sao.learner.synthetic import make_trajectory
 
-    client = SGLangClient(url)
-    base = load_file(f"{hf_dir}/model.safetensors")
-    torch.manual_seed(0)
-    new = {k: v + 0.01 * torch.randn_like(v) for k, v in base.items()}
-    cfg = WeightSyncConfig(backend="gloo", master_port=port, bucket_mb=0.1)
-    bc = WeightBroadcaster(cfg, [url], timeout_s=120)
-    out: dict[str, Any] = {"stats": bc.push(iter(new.items()), version=5), "v5": client.weight_version()}
-    names = sorted(new)
-    out["exact"] = all(
-        torch.equal(torch.tensor(client.get_weights_by_name(n, truncate_size=4)), new[n][:4].float()) for n in names
-    )
-    bad = dict(new)
-    first = names[0]
-    bad[first] = torch.zeros(new[first].shape[0] + 1, *new[first].shape[1:])
-    try:
-        bc.push(iter({k: v * 2 if k != first else v for k, v in bad.items()}.items()), version=6)
-        out["refused"] = None
-    except WeightSyncError as e:
-        out["refused"] = str(e)
-    out["v_after_refusal"] = client.weight_version()
-    out["unchanged"] = all(
-        torch.equal(torch.tensor(client.get_weights_by_name(n, truncate_size=4)), new[n][:4].float()) for n in names
-    )
-    again = {k: v * 0.5 for k, v in new.items()}
-    bc.push(iter(again.items()), version=7)  # reconnects on the next port
-    out["v7"] = client.weight_version()
-    out["attempt"] = bc.attempt
-    out["exact_again"] = all(
-        torch.equal(torch.tensor(client.get_weights_by_name(n, truncate_size=4)), again[n][:4].float()) for n in names
-    )
-    bc.close()
+    traj = make_trajectory(np.random.default_rng(0), 0, prompt_len=prompt_len, turns=(len(tokens) - prompt_len,))
+    traj.tokens[:] = np.asarray(tokens, dtype=np.int32)
+    batch = make_step_batch([traj], max_seq_len=4096)
+    mbs = pack_microbatches(batch, max_tokens=64, pad_multiple=learner.cfg.parallel.tensor, use_thd=False)
+    logp = torch.zeros_like(batch.rollout_logprobs)
+    with torch.no_grad():
+        if not collect_logprobs(learner.policy.model, mbs, logp, temperature=1.0, vocab_size=learner.spec.vocab_size):
+            return None
+    return [float(x) for x in logp[0, prompt_len - 1 :]]
+
+
+def _train_push_compare(hf_dir: str, layout: dict[str, int], urls: list[str], port: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from megatron_sao.learner.synthetic import make_batch
+
+    cfg, learner = _learner(hf_dir, layout, port, bucket_mb=0.05)
+    sync = _sync(learner, cfg, urls)
+    learner.train_step(on_policy(make_batch(6, seed=3), hf_dir))
+    metrics = sync.push(learner.version)
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        clients = [SGLangClient(u) for u in urls]
+        outs = [c.generate(PROMPT, {"max_new_tokens": 10, **GREEDY}) for c in clients]
+        info = [c.request("GET", P.SERVER_INFO) for c in clients]
+        box[0] = {"outs": outs, "groups": [i["weight_update_groups"] for i in info],
+                  "versions": [c.weight_version() for c in clients]}  # fmt: skip
+    dist.broadcast_object_list(box, src=0)
+    engine = box[0]
+    mine = [_learner_logprobs(learner, PROMPT + o.output_ids, len(PROMPT)) for o in engine["outs"]]
+    out = {"metrics": metrics, "peak": sync.peak_bytes, "bound": sync.plan.memory_bound(), "learner_logp": mine,
+           "stage_names": {s.stage: s.hf_names for s in sync.plan.stages}, **engine}  # fmt: skip
+    sync.close()
     return out
 
 
 @pytest.mark.multiproc
-def test_push_lands_exactly_and_a_refused_push_changes_nothing(start_engine: Any, tiny_hf_dir: Any) -> None:
-    from megatron_sao.distributed.spawn import find_free_port
-
+@pytest.mark.parametrize("layout", [{"tensor": 2, "pipeline": 2}, {"expert": 2, "pipeline": 2}],
+                         ids=["tp2pp2", "ep2pp2"])  # fmt: skip
+def test_four_rank_learner_pushes_each_stage_to_two_engines_and_logprobs_match(
+    start_engine: Any, tiny_hf_dir: Any, layout: dict[str, int]
+) -> None:
     hf_dir = tiny_hf_dir("qwen3_moe")
-    engine = start_engine(hf_dir)
-    engine.wait_healthy()
-    (out,) = spawn_ranks(_push_to_engine, 1, engine.url, str(hf_dir), find_free_port(), timeout_s=300)
-    assert out["stats"]["sync/buckets"] >= 2 and out["stats"]["sync/version"] == 5.0  # 0.1 MB buckets split it
-    assert out["v5"] == 5 and out["exact"]
-    assert out["refused"] is not None and "shape" in out["refused"], out["refused"]
-    assert out["v_after_refusal"] == 5 and out["unchanged"]
-    assert out["v7"] == 7 and out["exact_again"] and out["attempt"] == 1
+    engines = [start_engine(hf_dir), start_engine(hf_dir)]
+    for e in engines:
+        e.wait_healthy()
+    urls = [e.url for e in engines]
+    per_rank = spawn_ranks(_train_push_compare, 4, str(hf_dir), layout, urls, find_free_port(), timeout_s=600)
+    m = per_rank[0]["metrics"]
+    assert m["sync/failed"] == 0 and m["sync/engines"] == 2 and m["sync/stages"] == 2 and m["sync/flattened"] == 1
+    assert m["sync/buckets"] >= 6, m  # 0.05 MB buckets: several per stage
+    assert per_rank[0]["versions"] == [1, 1]
+    stage_names = per_rank[0]["stage_names"]
+    for groups in per_rank[0]["groups"]:  # what each engine received, per update group
+        by_stage = {int(name.split("_pp")[1].split("_")[0]): rec for name, rec in groups.items()}
+        assert set(by_stage) == {0, 1}
+        for stage, rec in by_stage.items():
+            assert sorted(rec["names"]) == sorted(stage_names[stage]), f"stage {stage} sent other layers"
+        assert "model.embed_tokens.weight" in by_stage[0]["names"] and "model.norm.weight" in by_stage[1]["names"]
+    logps = [r["learner_logp"] for r in per_rank if r["learner_logp"][0] is not None]
+    assert logps, "no rank returned the learner's log-probs"
+    for learner_logp, out in zip(logps[0], per_rank[0]["outs"]):
+        assert out.versions == [1] * 10
+        worst = max(abs(a - b) for a, b in zip(learner_logp, out.logprobs))
+        assert worst <= LOGP_TOL, f"engine vs learner log-probs differ by {worst:.2e}"
+    for r in per_rank:  # every rank's extra memory within two buckets + the largest tensor
+        assert 0 < r["peak"] <= r["bound"] or (r["peak"] == 0 and r is not per_rank[0]), (r["peak"], r["bound"])
 
 
-def _group_member(port: int) -> list[float]:
-    import torch.distributed as dist
+# ---- failures: refused or cut at any bucket ---------------------------------------------------------------------
+def _weights(client: SGLangClient, names: list[str]) -> dict[str, list]:
+    return {n: client.get_weights_by_name(n, truncate_size=2) for n in names}
 
-    from megatron_sao.distributed.update_group import destroy_update_group, init_update_group
 
-    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # what torchrun sets in the learner's ranks
-    rank = int(os.environ["RANK"])
-    group = init_update_group("gloo", "127.0.0.1", port, 2, rank, "sync_test", 60.0)
-    t = torch.arange(3, dtype=torch.float32) * (7.0 if rank == 0 else 0.0)
-    dist.broadcast(t, src=0, group=group)
-    destroy_update_group(group)
-    return t.tolist()
+def _push_with_fault(hf_dir: str, url: str, port: int, fault: str, at: str) -> dict[str, Any]:
+    """One rank: push version 1 (the reference), then version 2 with `fault` ('refuse' or 'cut') at bucket `at`
+    ('last' or 'middle'); 'cut' ends this process mid-bucket like a crashed trainer."""
+    from megatron_sao.weight_sync import sender as sender_mod
+
+    cfg, learner = _learner(hf_dir, {}, port, bucket_mb=0.02)
+    sync = _sync(learner, cfg, [url])
+    client = SGLangClient(url)
+    first = sync.push(1)
+    buckets = len(sync.plan.stages[0].buckets)
+    names = sync.plan.stages[0].hf_names
+    before = {"weights": _weights(client, names), "version": client.weight_version()}
+    target = buckets - 1 if at == "last" else buckets // 2
+    real_start = sender_mod.StageSender.start
+    real_update = SGLangClient.update_weights_from_distributed
+
+    def start(self: Any, bucket: Any, buffer: torch.Tensor) -> Any:
+        if bucket.index == target and fault == "cut":
+            real_start(self, bucket, buffer)
+            time.sleep(0.05)
+            os._exit(17)  # the trainer dies with the bucket announced and partly sent
+        if bucket.index == target and fault == "refuse":
+            def bad(c: Any, names: list, *a: Any, **k: Any) -> Any:  # a tensor the engine's model does not have
+                return real_update(c, ["model.no_such.weight", *names[1:]], *a, **k)
+
+            SGLangClient.update_weights_from_distributed = bad  # type: ignore[method-assign]
+            try:
+                return real_start(self, bucket, buffer)
+            finally:
+                SGLangClient.update_weights_from_distributed = real_update  # type: ignore[method-assign]
+        return real_start(self, bucket, buffer)
+
+    sender_mod.StageSender.start = start  # type: ignore[method-assign]
+    with torch.no_grad():
+        for p in learner.policy.model.parameters():
+            p.mul_(1.5)
+    refused = sync.push(2)
+    sender_mod.StageSender.start = real_start  # type: ignore[method-assign]
+    after = {"weights": _weights(client, names), "version": client.weight_version()}
+    alive = client.generate(PROMPT, {"max_new_tokens": 4, **GREEDY})
+    again = sync.push(3)
+    final = {"version": client.weight_version(), "weights": _weights(client, names)}
+    sync.close()
+    return {"first": first, "buckets": buckets, "target": target, "before": before, "refused": refused,
+            "after": after, "alive": alive, "again": again, "final": final}  # fmt: skip
 
 
 @pytest.mark.multiproc
-def test_update_group_forms_under_torchrun() -> None:
-    """Under torchrun, torch's tcp:// rendezvous makes rank 0 a client of the elastic agent's store: the learner's
-    rank 0 must still host the update group's store (the trainer hung 300 s before)."""
-    from megatron_sao.distributed.spawn import find_free_port
+@pytest.mark.parametrize("at", ["last", "middle"])
+def test_a_push_refused_at_any_bucket_leaves_the_engine_as_it_was(start_engine: Any, tiny_hf_dir: Any, at: str) -> None:
+    engine = start_engine(tiny_hf_dir("qwen3_moe"))
+    engine.wait_healthy()
+    (out,) = spawn_ranks(_push_with_fault, 1, str(tiny_hf_dir("qwen3_moe")), engine.url, find_free_port(), "refuse",
+                         at, timeout_s=400)  # fmt: skip
+    assert out["first"]["sync/failed"] == 0 and out["buckets"] >= 3 and out["before"]["version"] == 1
+    assert out["refused"]["sync/failed"] == 1
+    assert out["after"] == out["before"], "a refused push changed the engine's weights or version"
+    assert out["alive"].versions == [1] * 4, "the engine must keep generating on the previous weights"
+    assert out["again"]["sync/failed"] == 0 and out["final"]["version"] == 3
+    assert out["final"]["weights"] != out["before"]["weights"]
 
-    assert spawn_ranks(_group_member, 2, find_free_port(), timeout_s=120) == [[0.0, 7.0, 14.0]] * 2
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("at", ["last", "middle"])
+def test_a_push_cut_at_any_bucket_leaves_the_engine_as_it_was(start_engine: Any, tiny_hf_dir: Any, at: str) -> None:
+    """The trainer process dies mid-bucket: the engine keeps the previous weights and version, notices the push is
+    orphaned (its broadcast fails, or its session sits idle past --weight-session-timeout) and resumes generating,
+    and a new trainer pushes to it (any stale session is dropped when the new group forms)."""
+    hf_dir = tiny_hf_dir("qwen3_moe")
+    engine = start_engine(hf_dir, "--weight-session-timeout", "5")
+    engine.wait_healthy()
+    client = SGLangClient(engine.url)
+    with pytest.raises(RankFailure, match="exited with code 17"):
+        spawn_ranks(_push_with_fault, 1, str(hf_dir), engine.url, find_free_port(), "cut", at, timeout_s=400)
+    assert client.weight_version() == 1, "a cut push changed the engine's version"
+    out = client.generate(PROMPT, {"max_new_tokens": 4, **GREEDY}, timeout_s=60)
+    assert out.versions == [1] * 4
+    (again,) = spawn_ranks(_push_with_fault, 1, str(hf_dir), engine.url, find_free_port(), "none", "last",
+                           timeout_s=400)  # fmt: skip
+    assert again["first"]["sync/failed"] == 0 and again["final"]["version"] == 3
+
+
+# ---- a generation across a push ----------------------------------------------------------------------------------
+def _push_under_generation(hf_dir: str, url: str, port: int, pause_mode: str) -> dict[str, Any]:
+    cfg, learner = _learner(hf_dir, {}, port, bucket_mb=0.05, pause_mode=pause_mode)
+    sync = _sync(learner, cfg, [url])
+    client = SGLangClient(url)
+    box: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: box.update(r=client.generate(PROMPT, {"max_new_tokens": 200, **GREEDY})))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while client.server_info()["load"]["generated_tokens"] < 10:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    metrics = sync.push(1)
+    thread.join(120)
+    sync.close()
+    return {"metrics": metrics, "long": box.get("r"), "alive": client.health(),
+            "protocol": client.protocol()}  # fmt: skip
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(("release", "pause_mode"), [("0.5.23", "in_place"), ("0.5.10", "in_place"),
+                                                     ("0.5.5", "abort"), ("0.5.23", "none")])  # fmt: skip
+def test_a_generation_in_flight_across_a_push_carries_two_versions_and_no_flush_is_asked(
+    start_engine: Any, tiny_hf_dir: Any, release: str, pause_mode: str
+) -> None:
+    """0.5.23: session + flattened; 0.5.10: no session, and a flush refused while the request runs would kill it;
+    0.5.5: per-tensor broadcasts and a pause that aborts; none: no pause, the staged push switches at one step."""
+    hf_dir = tiny_hf_dir("qwen3_moe")
+    engine = start_engine(hf_dir, "--emulate-sglang", release)
+    engine.wait_healthy()
+    (out,) = spawn_ranks(_push_under_generation, 1, str(hf_dir), engine.url, find_free_port(), pause_mode,
+                         timeout_s=400)  # fmt: skip
+    assert out["metrics"]["sync/failed"] == 0 and out["alive"], out["metrics"]
+    assert out["metrics"]["sync/flattened"] == float(release != "0.5.5")
+    long = out["long"]
+    if pause_mode == "abort":  # SGLang before 0.5.6 ends running requests when it pauses
+        assert long.finish_type == "abort" and set(long.versions) == {0}
+        return
+    assert len(long.output_ids) == 200
+    switch = long.versions.index(1)
+    assert 10 <= switch < 200 and long.versions == [0] * switch + [1] * (200 - switch)
+
+
+def test_pause_in_place_is_refused_for_sglang_that_can_only_abort() -> None:
+    from megatron_sao.config.weight_sync import WeightSyncConfig
+    from megatron_sao.weight_sync.engines import EngineSet
+
+    class Old(SGLangClient):
+        def server_info(self) -> dict[str, Any]:
+            return {"version": "0.5.5", "tp_size": 1, "dp_size": 1}
+
+    engines = EngineSet(WeightSyncConfig(pause_mode="in_place"), ["http://127.0.0.1:9"], "gloo", 1)
+    engines.clients = {u: Old(u) for u in engines.clients}
+    with pytest.raises(ValueError, match="weight_sync.pause_mode='in_place'.*only pause by aborting"):
+        engines._describe("http://127.0.0.1:9")
+
+    class DataParallel(Old):
+        def server_info(self) -> dict[str, Any]:
+            return {"version": "0.5.23", "tp_size": 2, "dp_size": 2}
+
+    engines.clients = {u: DataParallel(u) for u in engines.clients}
+    with pytest.raises(RuntimeError, match="--dp-size 2 without --enable-dp-attention"):
+        engines._describe("http://127.0.0.1:9")
+
+
+@pytest.mark.multiproc
+def test_an_engine_killed_mid_push_fails_the_push_and_the_next_goes_to_the_others(
+    start_engine: Any, tiny_hf_dir: Any
+) -> None:
+    hf_dir = tiny_hf_dir("qwen3_moe")
+    engines = [start_engine(hf_dir), start_engine(hf_dir)]
+    for e in engines:
+        e.wait_healthy()
+    (out,) = spawn_ranks(_kill_mid_push, 1, str(hf_dir), [e.url for e in engines], engines[1].proc.pid,
+                         find_free_port(), timeout_s=400)  # fmt: skip
+    assert out["first"]["sync/failed"] == 1, out["first"]
+    assert out["second"]["sync/failed"] == 0 and out["second"]["sync/engines"] == 1
+    assert out["version"] == 2
+
+
+def _kill_mid_push(hf_dir: str, urls: list[str], victim: int, port: int) -> dict[str, Any]:
+    from megatron_sao.weight_sync import sender as sender_mod
+
+    cfg, learner = _learner(hf_dir, {}, port, bucket_mb=0.02, bucket_timeout_s=60.0)
+    sync = _sync(learner, cfg, urls)
+    real_start = sender_mod.StageSender.start
+
+    def start(self: Any, bucket: Any, buffer: torch.Tensor) -> Any:
+        if bucket.index == 2:
+            os.kill(victim, signal.SIGKILL)
+            time.sleep(0.2)
+        return real_start(self, bucket, buffer)
+
+    sender_mod.StageSender.start = start  # type: ignore[method-assign]
+    first = sync.push(1)
+    sender_mod.StageSender.start = real_start  # type: ignore[method-assign]
+    second = sync.push(2)
+    version = SGLangClient(urls[0]).weight_version()
+    sync.close()
+    return {"first": first, "second": second, "version": version}

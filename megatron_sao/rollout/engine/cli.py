@@ -26,6 +26,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--emulate-sglang", default=None, metavar="VERSION",
                    help="follow the weight-update rules of this SGLang release (default: the newest one read, "
                    "megatron_sao.rollout.engine.server.EMULATED_SGLANG)")  # fmt: skip
+    p.add_argument("--weight-session-timeout", type=float, default=300.0, metavar="S",
+                   help="discard a weight-update session no update touched for S seconds (its trainer is gone) and "
+                   "resume generating")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -56,6 +59,7 @@ def main(argv: list[str]) -> int:
         skip_tokenizer_init=args.skip_tokenizer_init,
         weight_version=args.weight_version,
         sglang_version=sglang_version,
+        session_timeout_s=args.weight_session_timeout,
     )
     serve(state, args.host, args.port)
     return 0

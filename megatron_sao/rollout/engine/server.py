@@ -22,6 +22,8 @@ import hashlib
 import json
 import logging
 import os
+import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -93,6 +95,17 @@ class EngineState:
             return self._weights(path, body)
         return 404, {"error": {"message": f"{method} {path} is not served by the embedded engine "
                                           f"(following SGLang {self.protocol.version})"}}  # fmt: skip
+
+    def orphaned(self, reason: str) -> None:
+        """The push that paused this engine can no longer be finished: resume on the intact previous weights."""
+        log.warning("weight push abandoned by its trainer (%s); the staged push is discarded and generation resumes "
+                    "on version %s", reason, self.scheduler.weight_version)  # fmt: skip
+        self.scheduler.resume()
+
+    def watch_sessions(self, period_s: float = 1.0) -> None:
+        while self.scheduler.alive():
+            time.sleep(period_s)
+            self.updater.expire_idle_session()
 
     @property
     def protocol(self) -> P.ServerProtocol:
@@ -258,6 +271,7 @@ def build_state(
     skip_tokenizer_init: bool = False,
     weight_version: str = P.DEFAULT_WEIGHT_VERSION,
     sglang_version: str = EMULATED_SGLANG,
+    session_timeout_s: float = 300.0,
 ) -> EngineState:
     """Load the model (and tokenizer unless skipped or absent) and start the scheduler thread."""
     from megatron_sao.rollout.engine.model_runner import ModelRunner, eos_token_ids, load_hf_model
@@ -265,7 +279,7 @@ def build_state(
     model = load_hf_model(model_dir, dtype)
     ctx = context_length or int(getattr(model.config, "max_position_embeddings", 4096))
     tokenizer = None if skip_tokenizer_init else _maybe_tokenizer(model_dir)
-    updater = WeightUpdater(model, P.ServerProtocol(sglang_version, embedded=True))
+    updater = WeightUpdater(model, P.ServerProtocol(sglang_version, embedded=True), session_timeout_s)
     scheduler = Scheduler(
         ModelRunner(model),
         updater,
@@ -285,7 +299,10 @@ def build_state(
         "skip_tokenizer_init": tokenizer is None,
     }
     scheduler.start()
-    return EngineState(scheduler, updater, GenerateHandler(scheduler, tokenizer, model.config.vocab_size), info)
+    state = EngineState(scheduler, updater, GenerateHandler(scheduler, tokenizer, model.config.vocab_size), info)
+    updater.on_orphaned = state.orphaned
+    threading.Thread(target=state.watch_sessions, name="engine-session-watch", daemon=True).start()
+    return state
 
 
 def _maybe_tokenizer(model_dir: str) -> Any:

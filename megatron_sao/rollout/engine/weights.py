@@ -19,6 +19,9 @@ Protocol (SGLang's; the rules of the SGLang release in `ServerProtocol`, rollout
   weight_version at ONE token boundary. A session in which any update failed is discarded at `end`; so is an open
   session when one of the groups it received from is destroyed or a new group is initialized (a trainer that lost
   its connection starts over). The engine keeps serving the previous weights and version until a commit.
+- A trainer that dies mid-push cannot continue the engine it paused: when a broadcast fails mid-way, or a session
+  sees no update for `--weight-session-timeout` seconds, the push is discarded and the engine resumes generating
+  on its intact previous weights. (A real SGLang server stays paused: its weights may be partially updated.)
 - Without a session (emulating SGLang < 0.5.21) each update is applied on arrival, as SGLang does.
 """
 
@@ -26,6 +29,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +77,7 @@ class Session:
     weight_version: str | None = None
     groups: set[str] = field(default_factory=set)
     failure: str | None = None
+    last_activity: float = field(default_factory=time.monotonic)
 
     def commit(self) -> ReceivedUpdate:
         targets = [t for t, _ in self.staged.values()]
@@ -79,7 +85,14 @@ class Session:
 
 
 class WeightUpdater:
-    def __init__(self, model: torch.nn.Module, protocol: ServerProtocol) -> None:
+    """`on_orphaned(reason)` is called when a push can no longer be finished by the trainer that started it (its
+    broadcast failed mid-way, or its session sat idle for `session_timeout_s`): the staged push is discarded, and
+    the engine, whose weights are intact, may resume serving them (server.py does)."""
+
+    def __init__(self, model: torch.nn.Module, protocol: ServerProtocol, session_timeout_s: float = GROUP_TIMEOUT_S,
+                 on_orphaned: Callable[[str], None] | None = None) -> None:  # fmt: skip
+        self.session_timeout_s = session_timeout_s
+        self.on_orphaned = on_orphaned or (lambda reason: None)
         self.tensors: dict[str, torch.Tensor] = dict(model.state_dict())  # share storage with the model
         self.protocol = protocol
         self.groups: dict[str, Any] = {}  # group name -> the update process group (distributed/update_group.py)
@@ -102,11 +115,15 @@ class WeightUpdater:
                 f"rank_offset={rank_offset} must be in [1, world_size={world_size}) (rank 0 is the trainer)"
             )
         with self._lock:
-            if group_name in self.groups:
-                raise WeightUpdateError(
-                    f"update group {group_name!r} exists already; call /destroy_weights_update_group first"
-                )
+            stale = self.groups.pop(group_name, None)  # SGLang replaces a group of the same name (a new trainer)
+            self._group_locks.pop(group_name, None)
             self._discard_session(f"a new update group {group_name!r} is being initialized")
+        if stale is not None:
+            log.warning("update group %r is replaced by a new one of the same name", group_name)
+            try:
+                destroy_update_group(stale)
+            except Exception as e:  # a group whose trainer died may refuse a clean teardown; it is dropped anyway
+                log.warning("dropping the replaced update group %r: %r", group_name, e)
         try:
             group = init_update_group(
                 "gloo", master_address, master_port, world_size, rank_offset, group_name, GROUP_TIMEOUT_S
@@ -157,6 +174,16 @@ class WeightUpdater:
         with self._lock:
             if self.session is not None and self.session.failure is None:
                 self.session.failure = reason
+
+    def expire_idle_session(self) -> bool:
+        """Discard a session no update touched for session_timeout_s (its trainer is gone); True when one was."""
+        with self._lock:
+            session = self.session
+            if session is None or time.monotonic() - session.last_activity < self.session_timeout_s:
+                return False
+            self._discard_session(f"no update for {self.session_timeout_s:.0f}s: the trainer that began it is gone")
+        self.on_orphaned("the weight-update session sat idle past its timeout")
+        return True
 
     def _discard_session(self, why: str) -> None:
         """Drop an open session and its staging (caller holds the lock)."""
@@ -214,7 +241,9 @@ class WeightUpdater:
             try:
                 received = self._broadcasts(group, parsed, shapes, slots)
             except RuntimeError as e:  # the trainer died or timed out mid-broadcast
-                self.fail_session(f"receiving over {group_name!r} failed: {e}")
+                reason = f"receiving over {group_name!r} failed: {e}"
+                self.fail_session(reason)
+                self.on_orphaned(reason)
                 raise WeightUpdateError(f"Failed to receive weights over {group_name!r}: {e}") from e
         self._record(group_name, names, received)
         if problems:
@@ -246,6 +275,7 @@ class WeightUpdater:
             if session is None:
                 return
             session.groups.add(group_name)
+            session.last_activity = time.monotonic()
             for name, target, tensor in zip(names, update.targets, update.tensors):
                 session.staged[name] = (target, tensor)
             if update.weight_version is not None:

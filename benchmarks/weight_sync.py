@@ -1,0 +1,218 @@
+#!/usr/bin/env python
+"""A full weight push vs a raw broadcast of the same bytes, side by side in one run, at PP=1 and PP=2 sources.
+
+Per layout (one learner rank per pipeline stage, gloo on CPU), interleaved `--repeats` times:
+  push      WeightSync.push into a running embedded engine: pause, begin, the stages' gathers and packing, one
+            flattened bucket per request (or one broadcast per tensor with --per-tensor too), the marker, end (the
+            engine commits its staged copy), continue; verification off (what the checksums cost is printed apart).
+  raw       each stage source broadcasts its stage's bytes as ONE buffer to a bare receiver rank over an update
+            group of the same shape (1 source + 1 receiver rank per stage, all stages at once): the transport floor.
+Prints the medians, `overhead ratio X` (push / raw at PP=1, packed path; target <= 1.25), the PP=1 -> PP=2 speed-up
+of the push, and per rank the push's extra memory: the MemoryMeter peak (every buffer the push allocated) against the
+plan's bound (2 buckets + the largest tensor), and the process's RSS high-water growth during one push.
+
+    python benchmarks/weight_sync.py [--hidden 512 --layers 8 --experts 8 --vocab 16384 --bucket-mb 32 --repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _rss_hwm_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _reset_hwm() -> None:
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux)
+
+
+def _rank(hf_dir: str, pp: int, url: str, ports: dict[str, int], args: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from megatron_sao.config import load_config
+    from megatron_sao.distributed import init_distributed
+    from megatron_sao.distributed.update_group import host_store, init_update_group
+    from megatron_sao.learner.learner import Learner
+    from megatron_sao.weight_sync import WeightSync, hf_dtype_of
+
+    torch.set_num_threads(1)
+    cfg = load_config(None, [
+        "--model.hf_path", hf_dir, "--model.dtype", "fp32", "--parallel.pipeline", str(pp),
+        "--launch.nproc_per_node", str(pp), "--weight_sync.bucket_mb", str(args["bucket_mb"]),
+        "--weight_sync.master_port", str(ports["sync"]), "--weight_sync.verify", "off",
+    ])  # fmt: skip
+    init_distributed(cfg.parallel, seed=0)
+    learner = Learner(cfg, roles={"policy"})
+    learner.load_hf(hf_dir)
+    dtype_of = hf_dtype_of(learner.hf_source, torch.float32)
+    packed = WeightSync(learner.policy.model, learner.spec, dtype_of, cfg.weight_sync, [url])
+    cfg_tensor = cfg.weight_sync.model_copy(update={"load_format": "per_tensor", "master_port": ports["sync"] + 200,
+                                                    "group_name": "per_tensor"})  # fmt: skip
+    per_tensor = None
+    if args["per_tensor"]:  # collective: every rank builds it or none does
+        per_tensor = WeightSync(learner.policy.model, learner.spec, dtype_of, cfg_tensor, [url])
+    stage_bytes = sum(b.send_bytes for b in packed.stage.buckets)
+    raw_buf = torch.empty(stage_bytes, dtype=torch.uint8) if packed.is_source else None
+    raw_group = None
+    if packed.is_source:  # the raw floor's group: this source + one bare receiver rank, as a push's group
+        Path(f"{args['sizes']}.{packed.stage.stage}").write_text(str(stage_bytes))
+        store, port = host_store("127.0.0.1", ports["raw"] + packed.stage.stage, 2, 300.0, tries=1)
+        raw_group = init_update_group("gloo", "127.0.0.1", port, 2, 0, f"raw{packed.stage.stage}", 300.0, store=store)
+    out: dict[str, list[float]] = {"push": [], "raw": [], "per_tensor": []}
+    version = 0
+    for rep in range(args["repeats"] + 1):  # the first round warms up and is dropped
+        version += 1
+        dist.barrier()
+        t0 = time.monotonic()
+        packed.push(version)
+        dist.barrier()
+        push_s = time.monotonic() - t0
+        if per_tensor is not None:
+            version += 1
+            dist.barrier()
+            t0 = time.monotonic()
+            per_tensor.push(version)
+            dist.barrier()
+            tensor_s = time.monotonic() - t0
+        dist.barrier()
+        t0 = time.monotonic()
+        if raw_group is not None:
+            dist.broadcast(raw_buf, src=0, group=raw_group)
+        dist.barrier()
+        raw_s = time.monotonic() - t0
+        if rep:
+            out["push"].append(push_s)
+            out["raw"].append(raw_s)
+            if per_tensor is not None:
+                out["per_tensor"].append(tensor_s)
+    _reset_hwm()
+    base = _rss_hwm_mb()
+    version += 1
+    packed.push(version)
+    rss = _rss_hwm_mb() - base
+    verify_cfg = cfg.weight_sync.model_copy(update={"verify": "auto"})
+    packed.cfg = verify_cfg
+    t0 = time.monotonic()
+    version += 1
+    packed.push(version)
+    dist.barrier()
+    verified_s = time.monotonic() - t0
+    return {"times": out, "stage_bytes": stage_bytes, "source": packed.is_source, "peak": packed.peak_bytes,
+            "bound": packed.plan.memory_bound(), "rss_growth_mb": rss, "verified_s": verified_s,
+            "buckets": len(packed.stage.buckets), "largest": packed.plan.largest_tensor_bytes}  # fmt: skip
+
+
+def _receiver(ports: dict[str, int], stages: int, rounds: int, sizes: str) -> None:
+    """The raw floor's far end: rank 1 of one 2-rank group per stage, receiving each stage's buffer every round."""
+    from megatron_sao.distributed.update_group import init_update_group
+
+    def run(s: int) -> None:
+        path = Path(f"{sizes}.{s}")
+        while not path.is_file():
+            time.sleep(0.05)
+        buf = torch.empty(int(path.read_text()), dtype=torch.uint8)
+        group = init_update_group("gloo", "127.0.0.1", ports["raw"] + s, 2, 1, f"raw{s}", 300.0)
+        for _ in range(rounds):
+            torch.distributed.broadcast(buf, src=0, group=group)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in range(stages)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", default="qwen3_moe")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=16384)
+    p.add_argument("--bucket-mb", type=float, default=32.0)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--per-tensor", action="store_true", help="also time the per-tensor protocol (SGLang < 0.5.6)")
+    p.add_argument("--json", default=None, help="write the results here too")
+    args = p.parse_args()
+
+    from megatron_sao.distributed import spawn_ranks
+    from megatron_sao.distributed.spawn import find_free_port
+    from megatron_sao.models.tiny import make_tiny_model
+    from megatron_sao.rollout.client import SGLangClient
+
+    work = Path(tempfile.mkdtemp(prefix="bench-sync-"))
+    hf_dir = str(make_tiny_model(args.family, work / "model", layers=args.layers, hidden=args.hidden,
+                                 experts=args.experts, vocab_size=args.vocab))  # fmt: skip
+    size_mb = sum(f.stat().st_size for f in Path(hf_dir).glob("*.safetensors")) / 2**20
+    port = find_free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    log = open(work / "engine.log", "wb")  # noqa: SIM115 - lives as long as the engine
+    engine = subprocess.Popen([sys.executable, "-m", "megatron_sao", "engine", "--model", hf_dir, "--port", str(port),
+                               "--threads", "1"], stdout=log, stderr=subprocess.STDOUT, env=env)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    results: dict[str, Any] = {"model_mb": size_mb, "bucket_mb": args.bucket_mb, "repeats": args.repeats}
+    try:
+        client = SGLangClient(url)
+        deadline = time.monotonic() + 300
+        while not client.health(timeout_s=1.0):
+            if engine.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"engine did not start: {(work / 'engine.log').read_text()[-2000:]}")
+            time.sleep(0.3)
+        print(f"model {size_mb:.0f} MB fp32 ({args.family}, {args.layers} layers, hidden {args.hidden}, "
+              f"{args.experts} experts, vocab {args.vocab}); buckets of {args.bucket_mb} MB; {args.repeats} repeats")
+        for pp in (1, 2):
+            ports = {"sync": find_free_port(), "raw": find_free_port()}
+            sizes = str(work / f"stage_bytes_pp{pp}")
+            rx = threading.Thread(target=_receiver, args=(ports, pp, args.repeats + 1, sizes), daemon=True)
+            rx.start()
+            opts = {"bucket_mb": args.bucket_mb, "repeats": args.repeats, "per_tensor": args.per_tensor,
+                    "sizes": sizes}  # fmt: skip
+            per_rank = spawn_ranks(_rank, pp, hf_dir, pp, url, ports, opts, timeout_s=3000)
+            rx.join(60)
+            results[f"pp{pp}"] = per_rank
+            t = per_rank[0]["times"]
+            push, raw = statistics.median(t["push"]), statistics.median(t["raw"])
+            line = f"PP={pp}: push {push:.3f} s (median; runs {', '.join(f'{x:.3f}' for x in t['push'])}), raw " \
+                   f"broadcast {raw:.3f} s, push/raw {push / raw:.2f}"  # fmt: skip
+            if t["per_tensor"]:
+                line += f"; per-tensor push {statistics.median(t['per_tensor']):.3f} s"
+            print(line + f"; with checksum verification {per_rank[0]['verified_s']:.3f} s")
+            for rank, r in enumerate(per_rank):
+                print(f"  rank {rank}{' (source)' if r['source'] else ''}: {r['buckets']} buckets, stage "
+                      f"{r['stage_bytes'] / 2**20:.1f} MB; extra memory {r['peak'] / 2**20:.1f} MB (bound "
+                      f"{r['bound'] / 2**20:.1f} MB: 2 buckets + largest tensor {r['largest'] / 2**20:.1f} MB); RSS "
+                      f"high-water +{r['rss_growth_mb']:.1f} MB during a push")  # fmt: skip
+        p1 = statistics.median(results["pp1"][0]["times"]["push"])
+        r1 = statistics.median(results["pp1"][0]["times"]["raw"])
+        p2 = statistics.median(results["pp2"][0]["times"]["push"])
+        print(f"overhead ratio {p1 / r1:.2f}")
+        print(f"speed-up pp1/pp2 {p1 / p2:.2f}")
+    finally:
+        engine.kill()
+        engine.wait()
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""The engines' side of a push, as learner rank 0 drives it over HTTP (owned by weight_sync/; used by sync.py):
+who takes part, what each engine's SGLang release allows, and the session around the stages' buckets.
+
+    plan():    the engines answering /health, each with its protocol (from /server_info's version), its TP size
+               (ranks in every update group) and its DP size; a new GroupSpec when that set changed or the last
+               push failed (the groups are then formed again).
+    open():    pause (weight_sync.pause_mode; SGLang before 0.5.6 can only abort) and, from 0.5.21, begin the
+               weight-update session on every engine.
+    finish():  when every stage landed: the end-of-push marker (weight_version), end the sessions (the embedded
+               engine commits its staged push here, weights and version at one decode step), verify what each engine
+               now holds (weight_sync.verify), continue generation. An engine that fails any of it is not marked live.
+    abandon(): when a stage failed: the engines drop every update group (the embedded engine discards its staged
+               session with it) and close their sessions; engines that could not have been touched, and the
+               embedded ones (nothing of the push was applied), continue; a real SGLang engine that received part of
+               the push is "partially updated" and stays paused -- out of service, its version behind the others so
+               the rollout router keeps work off it -- until a complete push lands.
+A flush is asked for only with pause_mode abort or retract (no request holds KV then); with in_place the paused
+requests keep theirs, and SGLang fails (0.5.22+) or dies (older) on a flush refused while requests run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_sao.config.weight_sync import WeightSyncConfig
+from megatron_sao.rollout.client import EngineError, SGLangClient
+from megatron_sao.rollout.protocol import ServerProtocol
+from megatron_sao.weight_sync.sender import (
+    FLATTENED,
+    GroupSpec,
+    Member,
+    StageSender,
+    WeightSyncError,
+    describe,
+    failures,
+    in_threads,
+)
+
+log = logging.getLogger(__name__)
+
+CONTROL_TIMEOUT_S = 120.0
+"""Pause, begin, end, continue, verify calls (each engine in parallel)."""
+
+
+@dataclass
+class StageReport:
+    """What a stage source reports to rank 0 after its buckets (small: the control path)."""
+
+    stage: int
+    error: str | None = None
+    touched: list[str] = field(default_factory=list)
+    broken: bool = False
+    buckets: int = 0
+    tensors: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    peak_bytes: int = 0
+    checksums: dict[str, str] = field(default_factory=dict)  # HF name -> SGLang checksum of what was sent
+    samples: dict[str, list] = field(default_factory=dict)  # HF name -> its first rows as sent (floats)
+
+
+class EngineSet:
+    """Rank 0's view of the engines across pushes."""
+
+    def __init__(self, cfg: WeightSyncConfig, urls: list[str], backend: str, num_stages: int) -> None:
+        if not urls:
+            raise ValueError("the weight sync needs at least one engine url")
+        self.cfg, self.backend, self.num_stages = cfg, backend, num_stages
+        self.clients = {u: SGLangClient(u, timeout_s=CONTROL_TIMEOUT_S) for u in urls}
+        self.spec: GroupSpec | None = None  # the groups formed now; None: form them at the next push
+        self.attempt = 0
+        self.quarantined: set[str] = set()  # paused because they hold a partial push
+        self.held: dict[str, int] = {}  # the version each engine got from the last push that landed on it
+        self._unverifiable: set[str] = set()
+
+    # ---- membership ---------------------------------------------------------------------------------------------
+    def healthy(self) -> list[str]:
+        ok = in_threads({u: (lambda c=c: c.health(timeout_s=5.0)) for u, c in self.clients.items()}, 15.0)
+        return [u for u in self.clients if ok.get(u) is True]
+
+    def changed(self) -> bool:
+        """The engines in the groups are not the ones serving now: one died, one came back or started, or one
+        restarted between two looks (it answers with its launch weights, not the version pushed to it)."""
+        return self.spec is None or not self._same(self.healthy())
+
+    def _same(self, healthy: list[str]) -> bool:
+        if self.spec is None or healthy != [m.url for m in self.spec.members]:
+            return False
+        known = {u: v for u, v in self.held.items() if u in healthy}
+        got = in_threads({u: (lambda u=u: self.clients[u].weight_version()) for u in known}, 30.0)
+        restarted = [u for u, v in known.items() if got.get(u) != v]
+        for u in restarted:
+            log.warning("weight sync: engine %s holds version %r, not the %d pushed to it: restarted; forming the "
+                        "groups again", u, got.get(u), known[u])  # fmt: skip
+        return not restarted
+
+    def plan(self) -> tuple[GroupSpec, bool]:
+        """(the groups this push uses, whether they must be formed); WeightSyncError when no engine can take it."""
+        healthy = self.healthy()
+        if not healthy:
+            raise WeightSyncError(f"no engine answers /health ({', '.join(self.clients)})")
+        if self._same(healthy):
+            assert self.spec is not None
+            return self.spec, False
+        members, offset, refused = [], 1, {}
+        for url in healthy:
+            try:
+                proto, tp = self._describe(url)
+            except (WeightSyncError, EngineError, OSError) as e:
+                refused[url] = e
+                continue
+            members.append(Member(url, proto, tp, offset))
+            offset += tp
+        for url, e in refused.items():
+            log.error("weight sync: engine %s left out of the push: %s", url, e)
+        if not members:
+            raise WeightSyncError(f"no engine can take a weight push: {describe(refused)}")
+        spec = GroupSpec(
+            members=tuple(members), attempt=self.attempt, num_stages=self.num_stages, group_name=self.cfg.group_name,
+            master_port=self.cfg.master_port, master_addr=self.cfg.master_addr, backend=self.backend,
+            load_format=self._load_format(members), connect_timeout_s=self.cfg.connect_timeout_s,
+            bucket_timeout_s=self.cfg.bucket_timeout_s,
+        )  # fmt: skip
+        self.attempt += 1
+        self.spec = spec
+        return spec, True
+
+    def _describe(self, url: str) -> tuple[ServerProtocol, int]:
+        """An engine's protocol and TP size; WeightSyncError naming what makes it unusable."""
+        info = self.clients[url].server_info()
+        try:
+            proto = ServerProtocol.from_server_info(info, url)
+        except ValueError as e:
+            raise WeightSyncError(str(e)) from None
+        if "tp_size" not in info:
+            raise WeightSyncError(f"engine {url}: /server_info has no tp_size; cannot give it its update-group ranks")
+        dp = int(info.get("dp_size") or 1)
+        if dp > 1 and not info.get("enable_dp_attention"):
+            raise WeightSyncError(
+                f"engine {url}: --dp-size {dp} without --enable-dp-attention; SGLang refuses weight-update groups "
+                "then (run one engine per replica: rollout.sglang.dp=1 and more rollout.num_engines)"
+            )
+        mode = self.cfg.pause_mode
+        if mode != "none" and mode not in proto.pause_modes:
+            raise ValueError(f"weight_sync.pause_mode={mode!r}: engine {url} runs SGLang {proto.version}, which can "
+                             f"only pause by aborting; set weight_sync.pause_mode to 'abort' or 'none', or upgrade "
+                             "SGLang to >= 0.5.6")  # fmt: skip
+        return proto, int(info["tp_size"])
+
+    def _load_format(self, members: list[Member]) -> str | None:
+        everyone = all(m.protocol.flattened_bucket for m in members)
+        if self.cfg.load_format == "flattened_bucket" and not everyone:
+            old = [f"{m.url} ({m.protocol.version})" for m in members if not m.protocol.flattened_bucket]
+            raise ValueError(f"weight_sync.load_format='flattened_bucket' but {old} predate it (SGLang 0.5.6); set "
+                             "weight_sync.load_format to 'auto'")  # fmt: skip
+        return FLATTENED if self.cfg.load_format != "per_tensor" and everyone else None
+
+    # ---- the session around a push ------------------------------------------------------------------------------
+    def open(self, spec: GroupSpec) -> str | None:
+        """Pause and begin on every member; the error (after undoing it) or None."""
+        clients = [self.clients[m.url] for m in spec.members]
+        if self.cfg.pause_mode != "none":
+            failed = failures(self._each(clients, lambda c: c.pause_generation(self.cfg.pause_mode)))
+            if failed:
+                return f"pause_generation failed: {describe(failed)}"
+        failed = failures(self._each([self.clients[m.url] for m in spec.members if m.protocol.session], _begin))
+        if failed:
+            return f"begin_weight_update failed: {describe(failed)}"
+        return None
+
+    def finish(self, spec: GroupSpec, version: int, marker: StageSender, reports: list[StageReport],
+               tied_lm_head: bool) -> dict[str, Any]:  # fmt: skip
+        """Every stage landed: mark, end, verify, continue. {url: why it failed} for the engines that failed."""
+        flush = self.cfg.flush_cache and self.cfg.pause_mode in ("abort", "retract")
+        bad: dict[str, str] = {}
+        for url, answer in failures(marker.send_marker(version, flush)).items():
+            bad[url] = f"marker update: {describe({url: answer})}"
+        sessions = [self.clients[m.url] for m in spec.members if m.protocol.session and m.url not in bad]
+        for url, answer in failures(self._each(sessions, lambda c: c.end_weight_update(), timeout_s=600.0)).items():
+            bad[url] = f"end_weight_update: {describe({url: answer})}"
+        for url, why in self._verify(spec, reports, tied_lm_head, skip=set(bad)).items():
+            bad[url] = f"verify: {why}"
+        return bad
+
+    def conclude(self, spec: GroupSpec, bad: dict[str, str], touched: set[str], version: int | None = None) -> None:
+        """Continue the engines that may serve; keep paused the ones holding part of a push (`bad` and touched)."""
+        for m in spec.members:
+            if version is not None and m.url not in bad:
+                self.held[m.url] = version
+            elif m.url in bad:
+                self.held.pop(m.url, None)
+        staged = {m.url for m in spec.members if m.protocol.staged}
+        hold = {u for u in bad if u in touched and (u not in staged or bad[u].startswith("verify"))}
+        self.quarantined = (self.quarantined | hold) - (set(m.url for m in spec.members) - hold)
+        go = [self.clients[m.url] for m in spec.members if m.url not in self.quarantined]
+        if self.cfg.pause_mode != "none":
+            for url, e in failures(self._each(go, lambda c: c.continue_generation())).items():
+                log.warning("weight sync: continue_generation on %s failed: %s", url, describe({url: e}))
+        elif hold:
+            self._each([self.clients[u] for u in hold], lambda c: c.pause_generation("abort"))
+        for url in sorted(hold):
+            log.error("weight sync: engine %s holds a partial push and stays paused until a complete one lands (%s)",
+                      url, bad[url])  # fmt: skip
+        if bad:
+            self.spec = None  # form the groups again at the next push
+
+    def abandon(self, spec: GroupSpec, reason: str, touched: set[str]) -> None:
+        """A stage failed: every engine drops the groups and its session; see the module docstring."""
+        clients = [self.clients[m.url] for m in spec.members]
+        names = [spec.name(s) for s in range(spec.num_stages)]
+        self._each(clients, lambda c: [_quietly(c.destroy_weights_update_group, n) for n in names], timeout_s=60.0)
+        self._each([self.clients[m.url] for m in spec.members if m.protocol.session],
+                   lambda c: _quietly(c.end_weight_update), timeout_s=600.0)  # fmt: skip
+        self.conclude(spec, {m.url: reason for m in spec.members}, touched)
+
+    def close(self) -> None:
+        if self.spec is None:
+            return
+        names = [self.spec.name(s) for s in range(self.spec.num_stages)]
+        clients = [self.clients[m.url] for m in self.spec.members]
+        self._each(clients, lambda c: [_quietly(c.destroy_weights_update_group, n) for n in names], timeout_s=30.0)
+        self.spec = None
+
+    # ---- verification -------------------------------------------------------------------------------------------
+    def _verify(self, spec: GroupSpec, reports: list[StageReport], tied: bool, skip: set[str]) -> dict[str, str]:
+        """{url: what differs} for engines whose weights are not what was sent (weight_sync.verify)."""
+        mode = self.cfg.verify
+        if mode == "off":
+            return {}
+        sent = {k: v for r in reports for k, v in r.checksums.items()}
+        samples = {k: v for r in reports for k, v in r.samples.items()}
+        todo = [m for m in spec.members if m.url not in skip]
+        calls: dict[str, Callable[[], Any]] = {}
+        for m in todo:
+            c = self.clients[m.url]
+            if m.protocol.embedded and m.protocol.weights_checker and mode in ("auto", "checksum") and sent:
+                calls[m.url] = lambda c=c: _compare_checksums(c, sent, ["lm_head.weight"] if tied else [])
+            else:
+                calls[m.url] = lambda c=c, m=m: self._compare_samples(c, m.url, samples)
+        results = in_threads(calls, 600.0)
+        return {u: (repr(v) if isinstance(v, BaseException) else v) for u, v in results.items() if v}
+
+    def _compare_samples(self, client: SGLangClient, url: str, samples: dict[str, list]) -> str | None:
+        for name, rows in samples.items():
+            try:
+                got = client.get_weights_by_name(name, truncate_size=len(rows))
+            except EngineError as e:  # SGLang serves this only for some model classes
+                if url not in self._unverifiable:
+                    log.warning("weight sync: %s cannot show %s (%s); its pushes are not verified", url, name, e)
+                    self._unverifiable.add(url)
+                return None
+            if not torch.equal(torch.tensor(got, dtype=torch.float32), torch.tensor(rows, dtype=torch.float32)):
+                return f"{name}: the engine's first rows differ from what was sent"
+        return None
+
+    @staticmethod
+    def _each(clients: list[SGLangClient], fn: Callable[[SGLangClient], Any], timeout_s: float = CONTROL_TIMEOUT_S
+              ) -> dict[str, Any]:  # fmt: skip
+        return in_threads({c.url: (lambda c=c: fn(c)) for c in clients}, timeout_s)
+
+
+def _begin(client: SGLangClient) -> Any:
+    """begin_weight_update; a session left open by a trainer that went away is closed first (SGLang refuses a
+    second begin)."""
+    try:
+        return client.begin_weight_update()
+    except EngineError as e:
+        if "already open" not in str(e):
+            raise
+    log.warning("weight sync: %s had a weight-update session open (a previous push was cut); closing it", client.url)
+    _quietly(client.end_weight_update)
+    return client.begin_weight_update()
+
+
+def _compare_checksums(client: SGLangClient, sent: dict[str, str], skip: list[str]) -> str | None:
+    answer = client.weights_checksum(skip)
+    held = answer["ranks"][0]["checksums"]
+    wrong = sorted(n for n, chk in sent.items() if held.get(n) != chk)
+    if wrong:
+        more = ", ..." if len(wrong) > 4 else ""
+        return f"{len(wrong)} tensors differ from what was sent ({', '.join(wrong[:4])}{more})"
+    return None
+
+
+def _quietly(fn: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except (EngineError, OSError) as e:
+        return e

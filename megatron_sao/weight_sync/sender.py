@@ -1,0 +1,295 @@
+"""One pipeline stage's source and its update group with the engines: forming the group, and sending packed buckets
+(owned by weight_sync/; used by sync.py on the stage's source rank only).
+
+The group is this source (rank 0) plus every rank of every member engine (engine i: ranks offset_i .. offset_i +
+tp_i - 1, as SGLang numbers them), hosted at this source's address (`source_address`). Each stage has its own group
+(`<group_name>_pp<stage>_a<attempt>`), so all stages send at once and no tensor leaves its stage except to the
+engines. A bucket travels as ONE broadcast of its flat buffer when every member speaks `load_format=
+"flattened_bucket"` (SGLang >= 0.5.6), else one broadcast per tensor (older SGLang), in the order the request
+lists them.
+
+Failure: an engine that refuses a request before receiving (SGLang: no session, a bad layout) leaves the broadcast
+with nobody to meet, and one that dies mid-bucket leaves it hanging; both are bounded by weight_sync.bucket_timeout_s,
+after which the group is marked broken and aborted (NCCL: the communicator is aborted, so torch's watchdog does not
+kill the learner; gloo: the blocked work ends at the group's timeout) and the next push forms a new one.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from megatron_sao.distributed import flat_bucket
+from megatron_sao.distributed.update_group import (
+    abort_update_group,
+    destroy_update_group,
+    host_store,
+    init_update_group,
+)
+from megatron_sao.rollout.client import SGLangClient
+from megatron_sao.rollout.protocol import ServerProtocol
+from megatron_sao.weight_sync.plan import Bucket
+
+log = logging.getLogger(__name__)
+
+FLATTENED = "flattened_bucket"
+
+
+class WeightSyncError(RuntimeError):
+    """A push or connect that did not reach every engine; the message names the engine and what it said."""
+
+
+@dataclass(frozen=True)
+class Member:
+    """An engine in the update groups: its URL, its protocol, and the ranks it occupies in every stage's group."""
+
+    url: str
+    protocol: ServerProtocol
+    tp: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """What every stage source needs to form its group and send (decided by rank 0, shared with the sources)."""
+
+    members: tuple[Member, ...]
+    attempt: int
+    num_stages: int
+    group_name: str
+    master_port: int
+    master_addr: str  # "auto": each source's own address towards the engines
+    backend: str
+    load_format: str | None
+    connect_timeout_s: float
+    bucket_timeout_s: float
+
+    @property
+    def world(self) -> int:
+        return 1 + sum(m.tp for m in self.members)
+
+    def name(self, stage: int) -> str:
+        return f"{self.group_name}_pp{stage}_a{self.attempt}"
+
+    def port(self, stage: int) -> int:
+        return self.master_port + stage + self.num_stages * (self.attempt % 64)
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return host == "localhost"
+
+
+def source_address(configured: str, engine_urls: list[str]) -> str:
+    """The address this source hosts its update group at: `configured`, or for "auto" the local address the
+    engines reach it by (loopback when every engine is on loopback). A loopback address with a remote engine is
+    refused: that engine would dial its own loopback and the push would time out."""
+    hosts = [urlparse(u).hostname or "" for u in engine_urls]
+    remote = [h for h in hosts if not is_loopback(h)]
+    if configured != "auto":
+        if remote and is_loopback(configured):
+            raise ValueError(
+                f"weight_sync.master_addr={configured!r} is a loopback address but engine(s) {remote} are remote: "
+                "they could never reach it; set it to this node's address or 'auto'"
+            )
+        return configured
+    if not remote:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # no packet is sent: routing picks the interface
+        s.connect((socket.gethostbyname(remote[0]), 9))
+        return str(s.getsockname()[0])
+
+
+def in_threads(calls: dict[str, Callable[[], Any]], timeout_s: float) -> dict[str, Any]:
+    """Run each call on its own thread; {key: result, or the exception it raised, or a TimeoutError}."""
+    out: dict[str, Any] = {}
+
+    def run(key: str, fn: Callable[[], Any]) -> None:
+        try:
+            out[key] = fn()
+        except BaseException as e:  # reported to the caller, never lost
+            out[key] = e
+
+    threads = [threading.Thread(target=run, args=kv, daemon=True) for kv in calls.items()]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    for key in calls:
+        out.setdefault(key, TimeoutError(f"no answer within {timeout_s:.0f}s"))
+    return out
+
+
+def failures(results: dict[str, Any]) -> dict[str, Any]:
+    """The calls that raised, timed out or answered success=false."""
+    return {
+        k: v
+        for k, v in results.items()
+        if isinstance(v, BaseException) or (isinstance(v, dict) and v.get("success") is False)
+    }
+
+
+def describe(errors: dict[str, Any]) -> str:
+    parts = []
+    for key, err in errors.items():
+        msg = err.get("message") if isinstance(err, dict) else repr(err)
+        parts.append(f"{key}: {msg}")
+    return "; ".join(parts)
+
+
+class StageSender:
+    """The source of one pipeline stage: its update group and the buckets it sends."""
+
+    def __init__(self, stage: int, spec: GroupSpec, group: Any, address: str) -> None:
+        self.stage, self.spec, self.group, self.address = stage, spec, group, address
+        self.clients = {m.url: SGLangClient(m.url, timeout_s=spec.bucket_timeout_s) for m in spec.members}
+        self.touched: set[str] = set()  # engines that got an update request this push
+        self.broken = False
+        self.stats = {"buckets": 0, "tensors": 0, "bytes": 0}
+
+    @property
+    def group_name(self) -> str:
+        return self.spec.name(self.stage)
+
+    @classmethod
+    def connect(cls, stage: int, spec: GroupSpec) -> StageSender:
+        """Form this stage's update group: every member engine joins (HTTP, in parallel) while this rank hosts it."""
+        address = source_address(spec.master_addr, [m.url for m in spec.members])
+        name = spec.name(stage)
+        try:  # bound before any engine is asked to join: a port in use fails here, not in every engine's join
+            store, port = host_store(address, spec.port(stage), spec.world, spec.connect_timeout_s)
+        except RuntimeError as e:
+            raise WeightSyncError(f"cannot host update group {name} at {address}: {e}") from e
+        clients = {m.url: SGLangClient(m.url, timeout_s=spec.connect_timeout_s + 10) for m in spec.members}
+        calls: dict[str, Callable[[], Any]] = {
+            m.url: (lambda m=m: clients[m.url].init_weights_update_group(
+                address, port, m.offset, spec.world, name, spec.backend))
+            for m in spec.members
+        }  # fmt: skip
+        box: dict[str, Any] = {}
+
+        def join() -> None:
+            box["group"] = init_update_group(spec.backend, address, port, spec.world, 0, name, spec.connect_timeout_s,
+                                             store=store)  # fmt: skip
+
+        results = in_threads({**calls, "trainer": join}, spec.connect_timeout_s + 20)
+        failed = failures(results)
+        if failed:
+            if "group" in box:
+                abort_update_group(box["group"])
+            raise WeightSyncError(f"could not form update group {name} at {address}:{port}: {describe(failed)}")
+        log.info("weight sync: stage %d update group %s at %s:%d with %d engines (world %d, %s)", stage, name,
+                 address, port, len(spec.members), spec.world, spec.backend)  # fmt: skip
+        return cls(stage, spec, box["group"], address)
+
+    def start(self, bucket: Bucket, buffer: torch.Tensor) -> _PendingSend:
+        """Announce `bucket` to every member and broadcast its buffer (async); wait() on the handle."""
+        names = [s.name for s in bucket.slots]
+        dtypes = [flat_bucket.dtype_name(s.dtype) for s in bucket.slots]
+        shapes = [list(s.shape) for s in bucket.slots]
+        fmt = self.spec.load_format
+        timeout = self.spec.bucket_timeout_s
+        calls = {
+            url: (lambda c=c: c.update_weights_from_distributed(
+                names, dtypes, shapes, group_name=self.group_name, flush_cache=False, load_format=fmt,
+                timeout_s=timeout))
+            for url, c in self.clients.items()
+        }  # fmt: skip
+        self.touched.update(self.clients)
+        box: dict[str, Any] = {}
+        threads = [threading.Thread(target=_call, args=(box, k, fn), daemon=True) for k, fn in calls.items()]
+        for t in threads:
+            t.start()
+        tensors = [buffer] if fmt == FLATTENED else [flat_bucket.view(buffer, s) for s in bucket.slots]
+        works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]
+        self.stats["buckets"] += 1
+        self.stats["tensors"] += len(names)
+        self.stats["bytes"] += buffer.nbytes
+        return _PendingSend(self, bucket, threads, box, works, time.monotonic() + timeout)
+
+    def send_marker(self, version: int, flush_cache: bool) -> dict[str, Any]:
+        """The end-of-push marker (an update with no tensors that carries weight_version) to every member; it tags
+        the push, and the embedded engine commits only the session it closes. {url: answer or exception}."""
+        calls = {
+            url: (lambda c=c: c.update_weights_from_distributed(
+                [], [], [], group_name=self.group_name, weight_version=version, flush_cache=flush_cache))
+            for url, c in self.clients.items()
+        }  # fmt: skip
+        return in_threads(calls, self.spec.bucket_timeout_s)
+
+    def close(self) -> None:
+        """Drop this side of the group (the engines are asked to drop theirs by the coordinator)."""
+        group, self.group = self.group, None
+        if group is None:
+            return
+        if self.broken:
+            abort_update_group(group)
+        else:
+            try:
+                destroy_update_group(group)
+            except Exception as e:  # a broken group may refuse to be destroyed; it is dropped either way
+                log.warning("weight sync: destroying update group %s: %r", self.group_name, e)
+
+
+def _call(box: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:
+    try:
+        box[key] = fn()
+    except BaseException as e:  # reported by _PendingSend.wait
+        box[key] = e
+
+
+@dataclass
+class _PendingSend:
+    sender: StageSender
+    bucket: Bucket
+    threads: list[threading.Thread]
+    answers: dict[str, Any]
+    works: list[Any]
+    deadline: float
+    grace_s: float = field(default=5.0)
+
+    def wait(self) -> None:
+        """Return when every engine took the bucket; WeightSyncError naming the engines otherwise (as soon as the
+        broadcast failed, or an engine refused and the broadcast did not land within a grace period)."""
+        where = f"stage {self.sender.stage} bucket {self.bucket.index} ({len(self.bucket.slots)} tensors)"
+        refused_at: float | None = None
+        while True:
+            try:
+                landed = all(w.is_completed() for w in self.works)
+                for w in self.works:
+                    if w.is_completed():
+                        w.wait()  # raises what a finished broadcast failed with
+            except RuntimeError as e:  # a peer died or the group broke: no answer will fix that
+                self.sender.broken = True
+                answers = {u: self.answers[u] for u in self.sender.clients if u in self.answers}
+                raise WeightSyncError(f"{where}: the broadcast failed ({e}); engines said: "
+                                      f"{describe(failures(answers)) or 'nothing yet'}") from e  # fmt: skip
+            answered = all(not t.is_alive() for t in self.threads)
+            failed = failures({u: self.answers[u] for u in self.sender.clients if u in self.answers})
+            now = time.monotonic()
+            if failed and refused_at is None:
+                refused_at = now
+            if answered and landed and not failed:
+                return
+            grace_over = refused_at is not None and (now - refused_at > self.grace_s or (answered and landed))
+            if grace_over or now > self.deadline:
+                self.sender.broken |= not landed
+                missing = {u: TimeoutError("no answer in time") for u in self.sender.clients if u not in self.answers}
+                if failed or missing:
+                    raise WeightSyncError(f"{where}: {describe({**failed, **missing})}")
+                raise WeightSyncError(f"{where}: the broadcast did not complete within weight_sync.bucket_timeout_s="
+                                      f"{self.sender.spec.bucket_timeout_s:.0f}s")  # fmt: skip
+            time.sleep(0.001)

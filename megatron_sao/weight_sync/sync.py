@@ -1,0 +1,270 @@
+"""The weight push, as every learner rank takes part in it (owned by weight_sync/; run/learn.py calls push()).
+
+    WeightSync(model, spec, ...)      collective, once: every rank tells the others which main-replica shards it
+                                      holds (one object gather: the control path), every rank computes the same
+                                      TransferPlan (plan.py) and creates the same gather groups (one per distinct
+                                      set of holders in a stage, all inside that stage).
+    push(version)                     collective, per version:
+      1. rank 0 picks the engines (engines.py plan()): the ones answering /health, with their protocols;
+      2. when that set changed or the last push failed, the update groups are formed, stage after stage (an
+         engine's scheduler joins one group at a time: stages forming at once could deadlock two engines);
+      3. rank 0 pauses the engines and begins their sessions;
+      4. every stage at once: its ranks gather bucket after bucket to the stage source (gather.py), which sends
+         each to the engines over the stage's own group (sender.py), bucket k+1 gathered while k travels; ranks
+         that are not sources are done once their gathers are;
+      5. the sources report to rank 0, which ends the push (marker, end, verify, continue) or abandons it
+         (engines.py), and tells the sources whether their groups live on.
+A push that fails anywhere fails as a whole and is retried at the next step; training goes on. On a rank that is no
+source push() returns {} (run/learn.py shares rank 0's metrics).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_sao.config.weight_sync import WeightSyncConfig
+from megatron_sao.distributed import flat_bucket
+from megatron_sao.models.builder import ModelSpec
+from megatron_sao.models.weights import weight_mapping
+from megatron_sao.weight_sync.engines import EngineSet, StageReport
+from megatron_sao.weight_sync.gather import MemoryMeter, StageGather, hf_views, local_pieces, rank_info
+from megatron_sao.weight_sync.plan import Bucket, TransferPlan, build_plan
+from megatron_sao.weight_sync.sender import GroupSpec, StageSender, WeightSyncError
+
+log = logging.getLogger(__name__)
+
+SAMPLE_ROWS = 8
+"""Rows of each weight_sync.verify_tensors tensor kept to compare with what the engines show."""
+
+
+def resolve_backend(backend: str) -> str:
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return backend
+
+
+def hf_dtype_of(hf_source: dict[str, Any] | None, fallback: torch.dtype) -> Callable[[str], torch.dtype]:
+    """HF dtype of each tensor from the learner's hf_source record (the dtypes the engines loaded), else
+    `fallback` (a model not loaded from HF)."""
+    if not hf_source:
+        return lambda name: fallback
+    default = getattr(torch, hf_source["hf_dtype"])
+    exceptions = {n: getattr(torch, d) for n, d in hf_source.get("hf_dtype_exceptions", {}).items()}
+    return lambda name: exceptions.get(name, default)
+
+
+class WeightSync:
+    def __init__(
+        self,
+        model: Any,
+        spec: ModelSpec,
+        dtype_of: Callable[[str], torch.dtype],
+        cfg: WeightSyncConfig,
+        engine_urls: list[str],
+        stage: int | None = None,
+    ) -> None:
+        self.cfg, self.spec = cfg, spec
+        self.rank = dist.get_rank()
+        self.backend = resolve_backend(cfg.backend)
+        self.control, self.plan, self.gather = prepare(
+            model, spec, dtype_of, int(cfg.bucket_mb * 2**20), stage, gloo_sends=self.backend != "nccl"
+        )
+        self.stage = self.gather.stage
+        self.sources_group = dist.new_group(self.plan.sources, backend="gloo")
+        self.engines = EngineSet(cfg, engine_urls, self.backend, len(self.plan.stages)) if self.rank == 0 else None
+        self.sender: StageSender | None = None
+        self.peak_bytes = 0  # this rank's largest push so far (MemoryMeter)
+
+    @property
+    def is_source(self) -> bool:
+        return self.rank == self.stage.source
+
+    # ---- one push -----------------------------------------------------------------------------------------------
+    def push(self, version: int) -> dict[str, float]:
+        """Collective over the learner's world: put `version`'s weights on the engines; rank 0's metrics."""
+        t0 = time.monotonic()
+        decision: Any = None
+        if self.engines is not None:
+            try:
+                decision = self.engines.plan()
+            except WeightSyncError as e:
+                decision = str(e)
+        decision = self._bcast(decision, 0)
+        if isinstance(decision, str):
+            if self.rank == 0:
+                log.error("weight sync to the engines at version %d: %s", version, decision)
+            return {"sync/failed": 1.0, "sync/version": float(version)}
+        spec, reform = decision
+        if reform and not self._connect(spec):
+            return self._failed(version, t0)
+        error = self.engines.open(spec) if self.engines is not None else None
+        if self._bcast(error, 0) is not None:
+            if self.engines is not None:
+                log.error("weight sync at version %d: %s", version, error)
+                self.engines.abandon(spec, str(error), touched=set())
+            self._drop_sender()
+            return self._failed(version, t0)
+        report = self._transfer(spec)
+        if not self.is_source:
+            return {}
+        reports: list[Any] = [None] * len(self.plan.sources) if self.rank == 0 else []
+        dist.gather_object(report, reports if self.rank == 0 else None, dst=0, group=self.sources_group)
+        metrics = self._conclude(spec, version, reports, t0) if self.rank == 0 else {}
+        keep = [not metrics.get("sync/failed")]
+        dist.broadcast_object_list(keep, src=0, group=self.sources_group)
+        if not keep[0]:
+            self._drop_sender()
+        return metrics
+
+    def engines_changed(self) -> bool:
+        """Collective: whether the engines answering /health differ from the ones in the groups (rank 0 asks)."""
+        return bool(self._bcast(self.engines.changed() if self.engines is not None else None, 0))
+
+    def close(self) -> None:
+        self._drop_sender()
+        if self.engines is not None:
+            self.engines.close()
+
+    # ---- the steps ----------------------------------------------------------------------------------------------
+    def _connect(self, spec: GroupSpec) -> bool:
+        """Form the stages' update groups one after the other; False (everything undone) when one failed."""
+        self._drop_sender()
+        for st in self.plan.stages:
+            error = None
+            if self.rank == st.source:
+                try:
+                    self.sender = StageSender.connect(st.stage, spec)
+                except (WeightSyncError, ValueError) as e:
+                    error = str(e)
+            error = self._bcast(error, st.source)
+            if error is not None:
+                self._drop_sender()
+                if self.engines is not None:
+                    log.error("weight sync: %s", error)
+                    self.engines.abandon(spec, error, touched=set())
+                return False
+        return True
+
+    def _transfer(self, spec: GroupSpec) -> StageReport:
+        report = StageReport(self.stage.stage)
+        t0 = time.monotonic()
+        self.gather.meter = MemoryMeter()
+        checksums = self.cfg.verify in ("auto", "checksum") and any(m.protocol.embedded for m in spec.members)
+        samples = set(self.cfg.verify_tensors) if self.cfg.verify != "off" else set()
+
+        def on_packed(bucket: Bucket, buffer: torch.Tensor) -> None:
+            for name, view in hf_views(bucket, buffer):
+                if checksums:
+                    report.checksums[name] = flat_bucket.tensor_checksum(view)
+                if name in samples:
+                    report.samples[name] = view[:SAMPLE_ROWS].float().cpu().tolist()
+
+        sender = self.sender
+        try:
+            self.gather.run(sender.start if sender is not None else None, on_packed if sender is not None else None)
+        except WeightSyncError as e:
+            report.error = str(e)
+        self.peak_bytes = max(self.peak_bytes, self.gather.meter.peak)
+        report.peak_bytes, report.seconds = self.gather.meter.peak, time.monotonic() - t0
+        if sender is not None:
+            report.touched, report.broken = sorted(sender.touched), sender.broken
+            report.buckets, report.tensors, report.bytes = (sender.stats[k] for k in ("buckets", "tensors", "bytes"))
+            sender.touched.clear()
+            sender.stats = dict.fromkeys(sender.stats, 0)
+        return report
+
+    def _conclude(self, spec: GroupSpec, version: int, reports: list[StageReport], t0: float) -> dict[str, float]:
+        assert self.engines is not None and self.sender is not None
+        errors = [f"stage {r.stage}: {r.error}" for r in reports if r.error]
+        touched = {u for r in reports for u in r.touched}
+        if errors:
+            bad = {m.url: "; ".join(errors) for m in spec.members}
+            self.engines.abandon(spec, "; ".join(errors), touched)
+        else:
+            bad = self.engines.finish(spec, version, self.sender, reports, self.spec.tie_embeddings)
+            self.engines.conclude(spec, bad, touched, version)
+        if bad:
+            log.error("weight sync at version %d failed on %d of %d engines: %s", version, len(bad),
+                      len(spec.members), "; ".join(f"{u}: {w}" for u, w in bad.items()))  # fmt: skip
+        return {
+            "sync/seconds": time.monotonic() - t0,
+            "sync/version": float(version),
+            "sync/stages": float(len(reports)),
+            "sync/engines": float(len(spec.members) - len(bad)),
+            "sync/failed_engines": float(len(bad)),
+            "sync/quarantined": float(len(self.engines.quarantined)),
+            "sync/buckets": float(sum(r.buckets for r in reports)),
+            "sync/tensors": float(sum(r.tensors for r in reports)),
+            "sync/bytes": float(sum(r.bytes for r in reports)),
+            "sync/stage_seconds_max": max(r.seconds for r in reports),
+            "sync/peak_mb": max(r.peak_bytes for r in reports) / 2**20,
+            "sync/flattened": float(spec.load_format is not None),
+            "sync/failed": float(bool(bad)),
+        }
+
+    def _failed(self, version: int, t0: float) -> dict[str, float]:
+        return {"sync/failed": 1.0, "sync/version": float(version), "sync/seconds": time.monotonic() - t0}
+
+    def _drop_sender(self) -> None:
+        sender, self.sender = self.sender, None
+        if sender is not None:
+            sender.close()
+
+    def _bcast(self, obj: Any, src: int) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.control)
+        return box[0]
+
+
+def prepare(
+    model: Any,
+    spec: ModelSpec,
+    dtype_of: Callable[[str], torch.dtype],
+    bucket_bytes: int,
+    stage: int | None,
+    gloo_sends: bool,
+) -> tuple[Any, TransferPlan, StageGather]:
+    """Collective: (the gloo control group, the plan every rank computed, this rank's StageGather). Every rank tells
+    the others its pieces (one object gather), then creates every gather group in the plan's order."""
+    from megatron.core import parallel_state as ps
+
+    rank = dist.get_rank()
+    control = dist.new_group(backend="gloo")  # small objects only: plan metadata, decisions, reports
+    pieces = local_pieces(model, rank)
+    stage = ps.get_pipeline_model_parallel_rank() if stage is None else stage
+    infos: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(infos, rank_info(pieces, rank, stage), group=control)
+    mapping = weight_mapping(spec)
+    plan = build_plan(infos, mapping, dtype_of, bucket_bytes)
+    device = pieces[0][1].device if pieces else torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    groups = {m: dist.new_group(list(m), backend=backend) for m in plan.gather_groups}  # same order on every rank
+    send_device = torch.device("cpu") if gloo_sends else device
+    return control, plan, StageGather(plan.stage_of(rank), rank, pieces, groups, mapping, device, send_device)
+
+
+def gather_hf_tensors(
+    model: Any, spec: ModelSpec, dtype_of: Callable[[str], torch.dtype], bucket_bytes: int, stage: int | None = None
+) -> tuple[dict[str, torch.Tensor], TransferPlan, int]:
+    """Collective, no engines: run every stage's gathers and keep what each source would send. Returns (this rank's
+    {HF name: tensor} -- its stage's tensors on a source, {} elsewhere --, the plan, this rank's peak extra bytes).
+    For tests, tools and benchmarks: the same plan and gathers as a push."""
+    _, plan, gather = prepare(model, spec, dtype_of, bucket_bytes, stage, gloo_sends=True)
+    out: dict[str, torch.Tensor] = {}
+
+    class _Landed:
+        def wait(self) -> None:
+            return None
+
+    def keep(bucket: Bucket, buffer: torch.Tensor) -> _Landed:
+        out.update((name, view.clone()) for name, view in hf_views(bucket, buffer))
+        return _Landed()
+
+    gather.run(keep if gather.is_source else None)
+    return out, plan, gather.meter.peak
