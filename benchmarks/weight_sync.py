@@ -3,8 +3,9 @@
 
 Per layout (one learner rank per pipeline stage, gloo on CPU), interleaved `--repeats` times:
   push      WeightSync.push into a running embedded engine: pause, begin, the stages' gathers and packing, one
-            flattened bucket per request (or one broadcast per tensor with --per-tensor too), the marker, end (the
-            engine commits its staged copy), continue; verification off (what the checksums cost is printed apart).
+            flattened bucket per request, the marker, end (the engine commits its staged copy), continue;
+            verification none (what the checksums cost is printed apart; --per-tensor also times, after the packed
+            rounds, the per-tensor protocol of SGLang < 0.5.6).
   raw       each stage source broadcasts its stage's bytes as ONE buffer to a bare receiver rank over an update
             group of the same shape (1 source + 1 receiver rank per stage, all stages at once): the transport floor.
 Prints the medians, `overhead ratio X` (push / raw at PP=1, packed path; target <= 1.25), the PP=1 -> PP=2 speed-up
@@ -59,7 +60,7 @@ def _rank(hf_dir: str, pp: int, url: str, ports: dict[str, int], args: dict[str,
     cfg = load_config(None, [
         "--model.hf_path", hf_dir, "--model.dtype", "fp32", "--parallel.pipeline", str(pp),
         "--launch.nproc_per_node", str(pp), "--weight_sync.bucket_mb", str(args["bucket_mb"]),
-        "--weight_sync.master_port", str(ports["sync"]), "--weight_sync.verify", "off",
+        "--weight_sync.master_port", str(ports["sync"]), "--weight_sync.verify", "none",
     ])  # fmt: skip
     init_distributed(cfg.parallel, seed=0)
     learner = Learner(cfg, roles={"policy"})
@@ -77,23 +78,28 @@ def _rank(hf_dir: str, pp: int, url: str, ports: dict[str, int], args: dict[str,
     if packed.is_source:  # the raw floor's group: this source + one bare receiver rank, as a push's group
         Path(f"{args['sizes']}.{packed.stage.stage}").write_text(str(stage_bytes))
         store, port = host_store("127.0.0.1", ports["raw"] + packed.stage.stage, 2, 300.0, tries=1)
-        raw_group = init_update_group("gloo", "127.0.0.1", port, 2, 0, f"raw{packed.stage.stage}", 300.0, store=store)
+        name = f"raw{pp}_{packed.stage.stage}"  # group names are unique per process (the receiver's too)
+        raw_group = init_update_group("gloo", "127.0.0.1", port, 2, 0, name, 300.0, store=store)
     out: dict[str, list[float]] = {"push": [], "raw": [], "per_tensor": []}
+    phases: dict[str, list[float]] = {}
     version = 0
+    rss_first = 0.0
     for rep in range(args["repeats"] + 1):  # the first round warms up and is dropped
         version += 1
         dist.barrier()
+        if not rep:
+            _reset_hwm()
+            base = _rss_hwm_mb()
         t0 = time.monotonic()
-        packed.push(version)
+        metrics = packed.push(version)
         dist.barrier()
         push_s = time.monotonic() - t0
-        if per_tensor is not None:
-            version += 1
-            dist.barrier()
-            t0 = time.monotonic()
-            per_tensor.push(version)
-            dist.barrier()
-            tensor_s = time.monotonic() - t0
+        if not rep:
+            rss_first = _rss_hwm_mb() - base
+        if rep:
+            for k, v in metrics.items():
+                if k.startswith("sync/time_") or k == "sync/stage_seconds_max":
+                    phases.setdefault(k.removeprefix("sync/"), []).append(v)
         dist.barrier()
         t0 = time.monotonic()
         if raw_group is not None:
@@ -103,8 +109,15 @@ def _rank(hf_dir: str, pp: int, url: str, ports: dict[str, int], args: dict[str,
         if rep:
             out["push"].append(push_s)
             out["raw"].append(raw_s)
-            if per_tensor is not None:
-                out["per_tensor"].append(tensor_s)
+    if per_tensor is not None:  # apart: two syncs taking turns on one engine would re-form groups at every push
+        for rep in range(args["repeats"] + 1):
+            version += 1
+            dist.barrier()
+            t0 = time.monotonic()
+            per_tensor.push(version)
+            dist.barrier()
+            if rep:
+                out["per_tensor"].append(time.monotonic() - t0)
     _reset_hwm()
     base = _rss_hwm_mb()
     version += 1
@@ -117,29 +130,37 @@ def _rank(hf_dir: str, pp: int, url: str, ports: dict[str, int], args: dict[str,
     packed.push(version)
     dist.barrier()
     verified_s = time.monotonic() - t0
-    return {"times": out, "stage_bytes": stage_bytes, "source": packed.is_source, "peak": packed.peak_bytes,
-            "bound": packed.plan.memory_bound(), "rss_growth_mb": rss, "verified_s": verified_s,
+    return {"times": out, "phases": {k: statistics.median(v) for k, v in phases.items()},
+            "stage_bytes": stage_bytes, "source": packed.is_source, "peak": packed.peak_bytes,
+            "bound": packed.plan.memory_bound(), "rss_growth_mb": rss, "rss_first_mb": rss_first,
+            "verified_s": verified_s,
             "buckets": len(packed.stage.buckets), "largest": packed.plan.largest_tensor_bytes}  # fmt: skip
 
 
 def _receiver(ports: dict[str, int], stages: int, rounds: int, sizes: str) -> None:
-    """The raw floor's far end: rank 1 of one 2-rank group per stage, receiving each stage's buffer every round."""
+    """The raw floor's far end: rank 1 of one 2-rank group per stage (joined one after the other: torch builds
+    process groups one at a time), then receiving each stage's buffer every round, all stages at once."""
     from megatron_sao.distributed.update_group import init_update_group
 
-    def run(s: int) -> None:
+    groups, buffers = {}, {}
+    for s in range(stages):
         path = Path(f"{sizes}.{s}")
         while not path.is_file():
             time.sleep(0.05)
-        buf = torch.empty(int(path.read_text()), dtype=torch.uint8)
-        group = init_update_group("gloo", "127.0.0.1", ports["raw"] + s, 2, 1, f"raw{s}", 300.0)
+        buffers[s] = torch.empty(int(path.read_text()), dtype=torch.uint8)
+        groups[s] = init_update_group("gloo", "127.0.0.1", ports["raw"] + s, 2, 1, f"raw{stages}_{s}", 300.0)
+
+    def run(s: int) -> None:
         for _ in range(rounds):
-            torch.distributed.broadcast(buf, src=0, group=group)
+            torch.distributed.broadcast(buffers[s], src=0, group=groups[s])
 
     threads = [threading.Thread(target=run, args=(s,)) for s in range(stages)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    for g in groups.values():
+        torch.distributed.destroy_process_group(g)
 
 
 def main() -> None:
@@ -197,11 +218,13 @@ def main() -> None:
             if t["per_tensor"]:
                 line += f"; per-tensor push {statistics.median(t['per_tensor']):.3f} s"
             print(line + f"; with checksum verification {per_rank[0]['verified_s']:.3f} s")
+            print("  push phases (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in per_rank[0]["phases"].items()))
             for rank, r in enumerate(per_rank):
                 print(f"  rank {rank}{' (source)' if r['source'] else ''}: {r['buckets']} buckets, stage "
                       f"{r['stage_bytes'] / 2**20:.1f} MB; extra memory {r['peak'] / 2**20:.1f} MB (bound "
                       f"{r['bound'] / 2**20:.1f} MB: 2 buckets + largest tensor {r['largest'] / 2**20:.1f} MB); RSS "
-                      f"high-water +{r['rss_growth_mb']:.1f} MB during a push")  # fmt: skip
+                      f"high-water +{r['rss_first_mb']:.1f} MB during the first push (buffers made, groups formed), "
+                      f"+{r['rss_growth_mb']:.1f} MB during a later one")  # fmt: skip
         p1 = statistics.median(results["pp1"][0]["times"]["push"])
         r1 = statistics.median(results["pp1"][0]["times"]["raw"])
         p2 = statistics.median(results["pp2"][0]["times"]["push"])

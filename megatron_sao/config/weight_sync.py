@@ -43,7 +43,7 @@ class WeightSyncConfig(Section):
     version), retract requeues them, abort ends them, none keeps generating (the embedded engine stages the push and
     switches at one step; SGLang waits for running requests before loading)."""
 
-    verify: Literal["auto", "checksum", "sample", "off"] = "auto"
+    verify: Literal["auto", "checksum", "sample", "none"] = "auto"
     """Check what the engines hold after a push before it is live: checksum compares every tensor's checksum
     (/weights_checker) with what was sent (the embedded engine; auto uses it there); sample compares the first rows
     of `verify_tensors` (/get_weights_by_name; auto uses it for SGLang). An engine that differs stays paused."""

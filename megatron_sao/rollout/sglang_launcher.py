@@ -24,6 +24,10 @@ from megatron_sao.rollout.client import SGLangClient
 def sglang_command(rollout: RolloutConfig, model_path: str, index: int, python: str = sys.executable) -> list[str]:
     """The launch command of SGLang engine `index` (port base_port + index)."""
     sg = rollout.sglang
+    if sg.dp > 1 and "--enable-dp-attention" not in sg.extra_args:
+        raise ValueError(f"rollout.sglang.dp={sg.dp}: SGLang refuses weight-update groups for data-parallel replicas "
+                         "without DP attention; run one engine per replica (rollout.sglang.dp=1, more "
+                         "rollout.num_engines) or add --enable-dp-attention to rollout.sglang.extra_args")  # fmt: skip
     gpus = sg.tp * sg.dp
     if gpus > sg.gpus_per_node:
         raise ValueError(f"tp*dp={gpus} GPUs per engine exceeds rollout.sglang.gpus_per_node={sg.gpus_per_node}")

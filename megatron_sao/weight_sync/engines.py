@@ -230,7 +230,7 @@ class EngineSet:
     def _verify(self, spec: GroupSpec, reports: list[StageReport], tied: bool, skip: set[str]) -> dict[str, str]:
         """{url: what differs} for engines whose weights are not what was sent (weight_sync.verify)."""
         mode = self.cfg.verify
-        if mode == "off":
+        if mode == "none":
             return {}
         sent = {k: v for r in reports for k, v in r.checksums.items()}
         samples = {k: v for r in reports for k, v in r.samples.items()}

@@ -10,12 +10,14 @@ casts each to its HF dtype and writes it straight into its slot of the send buff
 
 Overlap and memory (the source): bucket k+1 is gathered while bucket k is still travelling to the engines; bucket
 k+1 is packed only once bucket k's send finished, so at most two buckets (one in flight, one gathered) and one
-assembled tensor exist at a time. `MemoryMeter` counts every buffer this module allocates; plan.memory_bound() is
-the bound it must stay under.
+assembled tensor exist at a time. A source that gathers nothing (it holds the whole stage: TP=EP=1) packs bucket k+1
+into a second send buffer while bucket k travels. `MemoryMeter` counts every buffer this module allocates;
+plan.memory_bound() is the bound it must stay under.
 """
 
 from __future__ import annotations
 
+import math
 import socket
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -62,11 +64,70 @@ def rank_info(pieces: list[tuple[Piece, torch.Tensor]], rank: int, stage: int) -
 
 
 class PendingSend(Protocol):
-    def wait(self) -> None: ...
+    def landed(self) -> None: ...  # the bytes are on every engine: the next bucket may go, the buffer be reused
+
+    def wait(self) -> None: ...  # every engine also answered success
 
 
 StartSend = Callable[[Bucket, torch.Tensor], PendingSend]
 """Hands a packed bucket to the engines (sender.py); the returned handle's wait() returns when it landed."""
+
+
+class Buffers:
+    """The few buffers a rank's part of a push works in, sized once from the plan and reused bucket after bucket
+    (and, in host memory, push after push: fresh host memory pays its page faults on first touch, several times
+    the cost of the copy itself). On the source: the send buffer (the bucket travelling to the engines), the receive
+    area (the bucket being gathered: one padded contribution per member, the source's own written in place) and an
+    assembly scratch (a tensor put together from several pieces); elsewhere a contribution buffer."""
+
+    def __init__(self, stage: StagePlan, rank: int, device: torch.device, send_device: torch.device) -> None:
+        mine = [b for b in stage.buckets if rank in b.members]
+        source = rank == stage.source
+        # a source that gathers nothing (it holds every piece) has no receive area: two send buffers alternate then,
+        # so packing bucket k+1 overlaps sending bucket k within the same two buckets
+        self.double = source and all(len(b.members) == 1 for b in mine)
+        send = max((b.send_bytes for b in mine), default=0) if source else 0
+        self.sizes = {
+            "send": send,
+            "send2": send if self.double else 0,
+            "receive": max((b.received_bytes for b in mine if len(b.members) > 1), default=0) if source else 0,
+            "contribution": 0 if source else max((b.gather_bytes for b in mine), default=0),
+            "assembly": max((_assembly_bytes(b) for b in mine), default=0) if source else 0,
+        }
+        self.device, self.send_device = device, send_device
+        self._held: dict[str, torch.Tensor] = {}
+
+    def get(self, role: str, nbytes: int, meter: MemoryMeter) -> torch.Tensor:
+        """A uint8 view of `nbytes` of the `role` buffer (allocated on first use)."""
+        buf = self._held.get(role)
+        if buf is None:
+            sending = role.startswith("send")
+            device = self.send_device if sending else self.device
+            pinned = sending and device.type == "cpu" and self.device.type == "cuda"
+            buf = torch.empty(self.sizes[role], dtype=torch.uint8, device=device, pin_memory=pinned)
+            self._held[role] = buf
+            meter.take(buf)
+        return buf[:nbytes]
+
+    def release(self, meter: MemoryMeter) -> None:
+        """Drop the device buffers after a push (the caching allocator keeps them for training); host buffers stay."""
+        for role, buf in list(self._held.items()):
+            if buf.device.type != "cpu" or buf.is_pinned():
+                meter.give(self._held.pop(role))
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(b.nbytes for b in self._held.values())
+
+
+def _assembly_bytes(bucket: Bucket) -> int:
+    """The largest tensor of a bucket that has to be put together from several pieces."""
+    sizes = [0]
+    for name in bucket.names:
+        pieces = [p for ps in bucket.contributions.values() for p in ps if p.name == name]
+        if len(pieces) > 1 or (pieces and pieces[0].shape != pieces[0].full_shape):
+            sizes.append(math.prod(pieces[0].full_shape) * flat_bucket.dtype_from_name(pieces[0].dtype).itemsize)
+    return max(sizes)
 
 
 class StageGather:
@@ -87,6 +148,7 @@ class StageGather:
         self.device = device
         self.send_device = send_device or device  # pinned host memory when the engines receive over gloo from GPUs
         self.meter = MemoryMeter()
+        self.buffers = Buffers(stage, rank, device, self.send_device)
 
     @property
     def is_source(self) -> bool:
@@ -97,98 +159,103 @@ class StageGather:
         flight at most). `on_packed(bucket, buffer)` sees each packed buffer (checksums, samples) before it is sent.
         A send that fails stops the sending, not the gathering: the other members are still gathering, so the source
         takes part to the end, then raises the send's WeightSyncError. Returns the buckets this rank took part in."""
-        pending: PendingSend | None = None
-        in_flight: torch.Tensor | None = None
+        pending: PendingSend | None = None  # the bucket in flight
+        answering: PendingSend | None = None  # the one before it: landed, its answers may still be coming
         error: WeightSyncError | None = None
         done = 0
+        self.meter.now = self.meter.peak = self.buffers.held_bytes  # what stays allocated between pushes counts too
         try:
             for bucket in self.stage.buckets:
                 if self.rank not in bucket.members:
                     continue
-                received = self._gather(bucket)
+                local = self._gather(bucket)  # bucket k+1 is gathered while bucket k still travels
                 done += 1
                 if not self.is_source or error is not None:
-                    self.meter.give(*received)
                     continue
                 try:
-                    if pending is not None:  # bucket k must have landed before bucket k+1 is packed
-                        pending, waiting = None, pending
-                        waiting.wait()
-                        self.meter.give(in_flight)
-                        in_flight = None
-                    buffer = self._pack(bucket, received)
-                    self.meter.give(*received)
-                    del received
+                    role = "send2" if self.buffers.double and done % 2 == 0 else "send"
+                    if pending is not None and not self.buffers.double:  # one send buffer: bucket k lands first
+                        pending.landed()
+                    buffer = self._pack(bucket, local, role)
                     if on_packed is not None:
                         on_packed(bucket, buffer)
+                    if pending is not None:
+                        pending.landed()  # announced only now: it queues behind bucket k on every engine, in order
+                    if answering is not None:
+                        answering.wait()
                     assert start_send is not None, "the stage source needs a sender"
-                    pending, in_flight = start_send(bucket, buffer), buffer
+                    answering, pending = pending, start_send(bucket, buffer)
                 except WeightSyncError as e:  # an engine refused, or the group broke
                     error = e
-            if pending is not None and error is None:
-                try:
-                    pending.wait()
-                except WeightSyncError as e:
-                    error = e
+            for last in (answering, pending):
+                if last is not None and error is None:
+                    try:
+                        last.wait()
+                    except WeightSyncError as e:
+                        error = e
         finally:
-            self.meter.give(in_flight)
+            self.buffers.release(self.meter)
         if error is not None:
             raise error
         return done
 
     # ---- one bucket ---------------------------------------------------------------------------------------------
-    def _gather(self, bucket: Bucket) -> list[torch.Tensor]:
-        """Every member's contribution (the source gets them all, in member order; others get [])."""
-        mine = self.meter.take(torch.zeros(bucket.gather_bytes, dtype=torch.uint8, device=self.device))
+    def _gather(self, bucket: Bucket) -> Located:
+        """Where every piece of the bucket now is, on the source: {piece key: (piece, view)} -- in the receive area,
+        or the live local tensor when the source alone holds the bucket (nothing is copied then). {} elsewhere."""
+        if len(bucket.members) == 1:
+            return {p.key: (p, self.local[p.key]) for p in bucket.contributions[self.rank]}
+        received: list[torch.Tensor] | None = None
+        if self.is_source:  # one padded contribution per member, back to back; the source's own written in place
+            area = self.buffers.get("receive", bucket.received_bytes, self.meter)
+            received = list(area.view(len(bucket.members), bucket.gather_bytes).unbind(0))
+            mine = received[bucket.members.index(self.rank)]
+        else:
+            mine = self.buffers.get("contribution", bucket.gather_bytes, self.meter)
         for piece, slot in zip(bucket.contributions[self.rank], bucket.contribution_slots[self.rank]):
             flat_bucket.view(mine, slot).copy_(self.local[piece.key])
-        if len(bucket.members) == 1:
-            return [mine]
-        source = self.stage.source
-        received = None
-        if self.is_source:
-            received = [self.meter.take(torch.empty_like(mine)) for _ in bucket.members]
-        dist.gather(mine, received, dst=source, group=self.groups[bucket.members])
-        self.meter.give(mine)
-        return received or []
-
-    def _pack(self, bucket: Bucket, received: list[torch.Tensor]) -> torch.Tensor:
-        """The bucket's HF tensors in its send layout, from the members' contributions."""
-        pinned = self.send_device.type == "cpu" and self.device.type == "cuda"
-        send = torch.empty(bucket.send_bytes, dtype=torch.uint8, device=self.send_device, pin_memory=pinned)
-        self.meter.take(send)
-        out_slots = {s.name: s for s in bucket.slots}
-        where = {}  # piece key -> its view in the received contributions
+        dist.gather(mine, received, dst=self.stage.source, group=self.groups[bucket.members])
+        if received is None:
+            return {}
+        where = {}
         for member, contrib in zip(bucket.members, received):
             for piece, slot in zip(bucket.contributions[member], bucket.contribution_slots[member]):
                 where[piece.key] = (piece, flat_bucket.view(contrib, slot))
+        return where
+
+    def _pack(self, bucket: Bucket, where: Located, role: str = "send") -> torch.Tensor:
+        """The bucket's HF tensors in its send layout (in send buffer `role`), from wherever its pieces are."""
+        send = self.buffers.get(role, bucket.send_bytes, self.meter)
+        out_slots = {s.name: s for s in bucket.slots}
         by_name: dict[str, list[tuple[Piece, torch.Tensor]]] = {}
         for piece, t in where.values():
             by_name.setdefault(piece.name, []).append((piece, t))
         for name in bucket.names:
-            full, owned = _assemble(by_name[name], self.meter)
+            full = self._assemble(by_name[name])
             for hf_name, tensor in self.mapping.to_hf(name, full):
                 flat_bucket.view(send, out_slots[hf_name]).copy_(tensor)  # casts to the HF dtype
-            self.meter.give(owned)
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the send may run on another stream or from the host
         return send
 
+    def _assemble(self, parts: list[tuple[Piece, torch.Tensor]]) -> torch.Tensor:
+        """The full canonical tensor from its pieces: the piece itself when it is the whole tensor (no copy), else
+        put together in the assembly scratch."""
+        piece, t = parts[0]
+        if len(parts) == 1 and piece.shape == piece.full_shape:
+            return t
+        nbytes = math.prod(piece.full_shape) * t.element_size()
+        full = self.buffers.get("assembly", nbytes, self.meter).view(t.dtype).view(piece.full_shape)
+        for p, data in parts:
+            full[tuple(slice(o, o + n) for o, n in zip(p.offset, p.shape))] = data
+        return full
 
-def _assemble(parts: list[tuple[Piece, torch.Tensor]], meter: MemoryMeter) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The full canonical tensor from its pieces: the piece itself when it is the whole tensor (no copy), else a new
-    tensor (returned second, to be released)."""
-    piece, t = parts[0]
-    if len(parts) == 1 and piece.shape == piece.full_shape:
-        return t, None
-    full = meter.take(torch.empty(piece.full_shape, dtype=t.dtype, device=t.device))
-    for p, data in parts:
-        full[tuple(slice(o, o + n) for o, n in zip(p.offset, p.shape))] = data
-    return full, full
+
+Located = dict[tuple[str, tuple[int, ...]], tuple[Piece, torch.Tensor]]
+"""piece key -> (the piece, where its data is now)."""
 
 
 def hf_views(bucket: Bucket, buffer: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, view) of every tensor of a packed bucket."""
     for slot in bucket.slots:
         yield slot.name, flat_bucket.view(buffer, slot)
-

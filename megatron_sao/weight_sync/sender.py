@@ -261,9 +261,17 @@ class _PendingSend:
     deadline: float
     grace_s: float = field(default=5.0)
 
+    def landed(self) -> None:
+        """Return once the broadcast completed: every engine holds the bucket's bytes and is past its receive, so the
+        next bucket may be announced (it queues behind this one, in order) and this buffer reused. WeightSyncError as
+        soon as the broadcast failed, or an engine refused and the broadcast did not land within a grace period."""
+        self._until(answers=False)
+
     def wait(self) -> None:
-        """Return when every engine took the bucket; WeightSyncError naming the engines otherwise (as soon as the
-        broadcast failed, or an engine refused and the broadcast did not land within a grace period)."""
+        """Return when every engine also answered success for the bucket; WeightSyncError naming them otherwise."""
+        self._until(answers=True)
+
+    def _until(self, answers: bool) -> None:
         where = f"stage {self.sender.stage} bucket {self.bucket.index} ({len(self.bucket.slots)} tensors)"
         refused_at: float | None = None
         while True:
@@ -274,22 +282,22 @@ class _PendingSend:
                         w.wait()  # raises what a finished broadcast failed with
             except RuntimeError as e:  # a peer died or the group broke: no answer will fix that
                 self.sender.broken = True
-                answers = {u: self.answers[u] for u in self.sender.clients if u in self.answers}
+                said = {u: self.answers[u] for u in self.sender.clients if u in self.answers}
                 raise WeightSyncError(f"{where}: the broadcast failed ({e}); engines said: "
-                                      f"{describe(failures(answers)) or 'nothing yet'}") from e  # fmt: skip
+                                      f"{describe(failures(said)) or 'nothing yet'}") from e  # fmt: skip
             answered = all(not t.is_alive() for t in self.threads)
             failed = failures({u: self.answers[u] for u in self.sender.clients if u in self.answers})
             now = time.monotonic()
             if failed and refused_at is None:
                 refused_at = now
-            if answered and landed and not failed:
+            if landed and not failed and (answered or not answers):
                 return
             grace_over = refused_at is not None and (now - refused_at > self.grace_s or (answered and landed))
             if grace_over or now > self.deadline:
                 self.sender.broken |= not landed
                 missing = {u: TimeoutError("no answer in time") for u in self.sender.clients if u not in self.answers}
-                if failed or missing:
-                    raise WeightSyncError(f"{where}: {describe({**failed, **missing})}")
+                if failed or (missing and answers):
+                    raise WeightSyncError(f"{where}: {describe({**failed, **(missing if answers else {})})}")
                 raise WeightSyncError(f"{where}: the broadcast did not complete within weight_sync.bucket_timeout_s="
                                       f"{self.sender.spec.bucket_timeout_s:.0f}s")  # fmt: skip
             time.sleep(0.001)

@@ -101,8 +101,12 @@ class WeightSync:
                 log.error("weight sync to the engines at version %d: %s", version, decision)
             return {"sync/failed": 1.0, "sync/version": float(version)}
         spec, reform = decision
+        phases = {"plan": time.monotonic() - t0}
+        t = time.monotonic()
         if reform and not self._connect(spec):
             return self._failed(version, t0)
+        phases["connect"] = time.monotonic() - t
+        t = time.monotonic()
         error = self.engines.open(spec) if self.engines is not None else None
         if self._bcast(error, 0) is not None:
             if self.engines is not None:
@@ -110,12 +114,19 @@ class WeightSync:
                 self.engines.abandon(spec, str(error), touched=set())
             self._drop_sender()
             return self._failed(version, t0)
+        phases["open"] = time.monotonic() - t
+        t = time.monotonic()
         report = self._transfer(spec)
         if not self.is_source:
             return {}
         reports: list[Any] = [None] * len(self.plan.sources) if self.rank == 0 else []
         dist.gather_object(report, reports if self.rank == 0 else None, dst=0, group=self.sources_group)
+        phases["transfer"] = time.monotonic() - t
+        t = time.monotonic()
         metrics = self._conclude(spec, version, reports, t0) if self.rank == 0 else {}
+        if metrics:
+            phases["finish"] = time.monotonic() - t
+            metrics.update({f"sync/time_{k}": v for k, v in phases.items()})
         keep = [not metrics.get("sync/failed")]
         dist.broadcast_object_list(keep, src=0, group=self.sources_group)
         if not keep[0]:
@@ -156,7 +167,7 @@ class WeightSync:
         t0 = time.monotonic()
         self.gather.meter = MemoryMeter()
         checksums = self.cfg.verify in ("auto", "checksum") and any(m.protocol.embedded for m in spec.members)
-        samples = set(self.cfg.verify_tensors) if self.cfg.verify != "off" else set()
+        samples = set(self.cfg.verify_tensors) if self.cfg.verify != "none" else set()
 
         def on_packed(bucket: Bucket, buffer: torch.Tensor) -> None:
             for name, view in hf_views(bucket, buffer):
@@ -259,6 +270,9 @@ def gather_hf_tensors(
     out: dict[str, torch.Tensor] = {}
 
     class _Landed:
+        def landed(self) -> None:
+            return None
+
         def wait(self) -> None:
             return None
 

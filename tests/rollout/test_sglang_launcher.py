@@ -55,6 +55,11 @@ def test_sglang_command_uses_sglang_flag_names_and_config_values() -> None:
     rc.sglang.tp = 16
     with pytest.raises(ValueError, match="gpus_per_node"):
         sglang_command(rc, "/m", 0)
+    rc.sglang.tp, rc.sglang.dp = 2, 2  # SGLang asserts dp_size == 1 for weight-update groups, unless DP attention
+    with pytest.raises(ValueError, match="rollout.sglang.dp=2.*enable-dp-attention"):
+        sglang_command(rc, "/m", 0)
+    rc.sglang.extra_args = ["--enable-dp-attention"]
+    assert _flags(sglang_command(rc, "/m", 0)[:-1])["--dp-size"] == "2"
 
 
 def test_embedded_command_and_running_engines_need_no_launch() -> None:

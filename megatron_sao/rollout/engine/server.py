@@ -145,6 +145,7 @@ class EngineState:
                 update, msg = self.updater.end()
                 if update is not None:  # weights and version switch together, between two decode steps
                     self.scheduler.apply_update(update)
+                    self.updater.recycle(update.buffers)
             elif path == P.UPDATE_WEIGHT_VERSION:
                 if body.get("abort_all_requests", True):
                     self.scheduler.abort(None, "Aborted by /update_weight_version")
@@ -184,6 +185,7 @@ class EngineState:
         staged = self.updater.session is not None
         if not staged:
             self.scheduler.apply_update(update)
+            self.updater.recycle(update.buffers)
         if body.get("flush_cache", True) and not self.scheduler.flushable():
             self._flush_refused()
         done = "staged for the session's end" if staged else "updated in place"

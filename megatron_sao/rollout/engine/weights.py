@@ -62,11 +62,12 @@ def parse_dtype(name: str) -> torch.dtype:
 
 @dataclass
 class ReceivedUpdate:
-    """Tensors received from the trainer, validated, to be copied in at a token boundary."""
+    """Tensors received from the trainer, validated, to be copied in at a token boundary (views into `buffers`)."""
 
     targets: list[Target]
     tensors: list[torch.Tensor]
     weight_version: str | None
+    buffers: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -78,10 +79,11 @@ class Session:
     groups: set[str] = field(default_factory=set)
     failure: str | None = None
     last_activity: float = field(default_factory=time.monotonic)
+    buffers: list[torch.Tensor] = field(default_factory=list)  # what the staged tensors live in
 
     def commit(self) -> ReceivedUpdate:
         targets = [t for t, _ in self.staged.values()]
-        return ReceivedUpdate(targets, [x for _, x in self.staged.values()], self.weight_version)
+        return ReceivedUpdate(targets, [x for _, x in self.staged.values()], self.weight_version, self.buffers)
 
 
 class WeightUpdater:
@@ -100,6 +102,10 @@ class WeightUpdater:
         self._lock = threading.Lock()  # guards groups, the session and the traffic record
         self.session: Session | None = None
         self.traffic: dict[str, dict[str, Any]] = {}  # group name -> what it carried (tensors, bytes, names)
+        # receive buffers of committed or discarded pushes, by size, for the next push (fresh host memory costs its
+        # page faults on first touch, several times the copy): at most one model's worth is kept
+        self._spare: dict[int, list[torch.Tensor]] = {}
+        self._spare_limit = sum(t.nbytes for t in self.tensors.values())
 
     # ---- process groups -----------------------------------------------------------------------------------------
     def init_group(
@@ -164,6 +170,7 @@ class WeightUpdater:
         if session is None:
             raise WeightUpdateError("no weight-update session is open; call begin_weight_update() first")
         if session.failure is not None:
+            self.recycle(session.buffers)
             raise WeightUpdateError(f"session discarded, model unchanged: {session.failure}")
         if not session.staged and session.weight_version is None:
             return None, "Success (nothing staged)"
@@ -189,7 +196,8 @@ class WeightUpdater:
         """Drop an open session and its staging (caller holds the lock)."""
         if self.session is not None:
             log.warning("weight update session discarded (%d tensors staged): %s", len(self.session.staged), why)
-            self.session = None
+            buffers, self.session = self.session.buffers, None
+            self._keep(buffers)
 
     # ---- receiving ----------------------------------------------------------------------------------------------
     def receive(
@@ -239,7 +247,7 @@ class WeightUpdater:
             targets.append(target)
         with lock:  # one update of a group at a time; other groups go on
             try:
-                received = self._broadcasts(group, parsed, shapes, slots)
+                received, buffers = self._broadcasts(group, parsed, shapes, slots)
             except RuntimeError as e:  # the trainer died or timed out mid-broadcast
                 reason = f"receiving over {group_name!r} failed: {e}"
                 self.fail_session(reason)
@@ -247,27 +255,50 @@ class WeightUpdater:
                 raise WeightUpdateError(f"Failed to receive weights over {group_name!r}: {e}") from e
         self._record(group_name, names, received)
         if problems:
+            self.recycle(buffers)
             shown = "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
             self.fail_session(shown)
             raise WeightUpdateError(f"update rejected, model unchanged: {shown}")
-        update = ReceivedUpdate(targets, received, weight_version)
+        update = ReceivedUpdate(targets, received, weight_version, buffers)
         self._stage(update, names, group_name)
         return update
 
-    @staticmethod
     def _broadcasts(
-        group: Any, dtypes: list[torch.dtype], shapes: list[list[int]], slots: list[flat_bucket.Slot] | None
-    ) -> list[torch.Tensor]:
+        self, group: Any, dtypes: list[torch.dtype], shapes: list[list[int]], slots: list[flat_bucket.Slot] | None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(received tensors, the buffers they live in)."""
         if slots is not None:
-            buffer = torch.empty(flat_bucket.nbytes(slots), dtype=torch.uint8)
+            buffer = self._buffer(flat_bucket.nbytes(slots))
             dist.broadcast(buffer, src=0, group=group)
-            return [flat_bucket.view(buffer, s) for s in slots]
-        out = []
+            return [flat_bucket.view(buffer, s) for s in slots], [buffer]
+        out, buffers = [], []
         for dtype, shape in zip(dtypes, shapes):
-            buf = torch.empty(shape, dtype=dtype)
-            dist.broadcast(buf, src=0, group=group)
-            out.append(buf)
-        return out
+            buf = self._buffer(torch.Size(shape).numel() * dtype.itemsize)
+            tensor = buf.view(dtype).view(shape)
+            dist.broadcast(tensor, src=0, group=group)
+            out.append(tensor)
+            buffers.append(buf)
+        return out, buffers
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            spare = self._spare.get(nbytes)
+            if spare:
+                return spare.pop()
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def recycle(self, buffers: list[torch.Tensor]) -> None:
+        """Keep the buffers of an applied or discarded update for the next push (up to one model's worth)."""
+        with self._lock:
+            self._keep(buffers)
+
+    def _keep(self, buffers: list[torch.Tensor]) -> None:
+        kept = sum(b.nbytes for bs in self._spare.values() for b in bs)  # caller holds the lock
+        for b in buffers:
+            if kept + b.nbytes > self._spare_limit:
+                break
+            self._spare.setdefault(b.nbytes, []).append(b)
+            kept += b.nbytes
 
     def _stage(self, update: ReceivedUpdate, names: list[str], group_name: str) -> None:
         with self._lock:
@@ -276,6 +307,7 @@ class WeightUpdater:
                 return
             session.groups.add(group_name)
             session.last_activity = time.monotonic()
+            session.buffers.extend(update.buffers)
             for name, target, tensor in zip(names, update.targets, update.tensors):
                 session.staged[name] = (target, tensor)
             if update.weight_version is not None:
