@@ -49,10 +49,23 @@ class ValueConfig(Section):
     """PPO value clip around the values seen at the start of the step [unstated; 0.2]; None disables clipping."""
 
     pretrain_samples: int = Field(default=0, ge=0)
-    """Critic-only warm-up on rollouts of the frozen initial policy, in trajectories (paper: 6000)."""
+    """Value pre-training before the first policy update: critic-only steps (K updates each) on rollouts of the
+    frozen initial policy, until this many trajectories were used (paper: 6000) or the value loss plateaus."""
+
+    pretrain_plateau_steps: int = Field(default=5, ge=0)
+    """Pre-training also ends when the mean value loss of the last this-many steps improved by less than
+    `pretrain_plateau_tol` (relative) on the this-many before; 0: only the sample budget ends it."""
+
+    pretrain_plateau_tol: float = Field(default=0.02, ge=0.0)
+    """Relative improvement below which the value loss counts as settled."""
 
 
 class GRPOConfig(Section):
+    """The group arms: `grpo` (synchronous: B prompts x G samples; the learner steps on whole groups only, and the
+    next batch is generated only once the new weights reached the engines) and `grpo_async` (one-step-off: batch
+    k+1 is generated while batch k trains, so every trajectory after the first batch is exactly one version old).
+    B = learner.trajectories_per_step / G."""
+
     group_size: int = Field(default=8, ge=2)
     """G rollouts per prompt."""
 
@@ -75,9 +88,14 @@ class RunningMeanConfig(Section):
     reward is the mean of the rewards before it (0 before the first)."""
 
 
+ArmName = Literal["sao", "grpo", "grpo_async", "running_mean"]
+GROUP_ARMS = ("grpo", "grpo_async")
+
+
 class AlgoConfig(Section):
-    name: Literal["sao", "grpo", "running_mean"] = "sao"
-    """sao: critic + DIS; grpo: group baseline; running_mean: single rollout with a running-mean baseline."""
+    name: ArmName = "sao"
+    """sao: one rollout per prompt, streamed, critic + DIS; grpo: synchronous group batches; grpo_async: one-step-off
+    group batches; running_mean: one rollout per prompt, streamed, with a running-mean baseline (window 8)."""
 
     dis: DISConfig = Field(default_factory=DISConfig)
     gae: GAEConfig = Field(default_factory=GAEConfig)
@@ -90,8 +108,18 @@ class AlgoConfig(Section):
         return self.name == "sao"
 
     @property
+    def grouped(self) -> bool:
+        """The group arms: G samples per prompt, whole groups per step, batches generated in lockstep."""
+        return self.name in GROUP_ARMS
+
+    @property
     def rollouts_per_prompt(self) -> int:
-        return self.grpo.group_size if self.name == "grpo" else 1
+        return self.grpo.group_size if self.grouped else 1
+
+    @property
+    def batch_lag(self) -> int | None:
+        """How many versions old a batch's weights may be: 0 (grpo), 1 (grpo_async); None: streaming arms."""
+        return {"grpo": 0, "grpo_async": 1}.get(self.name)
 
     @model_validator(mode="after")
     def _check(self) -> AlgoConfig:

@@ -33,6 +33,18 @@ class SAOConfig(Section):
         num_experts = self.model.resolved_num_experts()
         if num_experts is not None:
             self.parallel.check_num_experts(num_experts)
+        if self.algo.grouped and self.learner.trajectories_per_step % self.algo.grpo.group_size:
+            n, g = self.learner.trajectories_per_step, self.algo.grpo.group_size
+            raise ValueError(
+                f"algo.name={self.algo.name} steps on whole groups: learner.trajectories_per_step={n} is not a "
+                f"multiple of algo.grpo.group_size={g}; set learner.trajectories_per_step to {max(g, n // g * g)} "
+                f"or {(n // g + 1) * g}"
+            )
+        if self.algo.grouped and self.weight_sync.interval != 1:
+            raise ValueError(
+                f"algo.name={self.algo.name} generates each batch on the weights of the step before (lockstep): "
+                f"weight_sync.interval={self.weight_sync.interval} would stall it; set weight_sync.interval to 1"
+            )
         if self.rollout.max_total_tokens > self.model.max_seq_len:
             raise ValueError(
                 f"rollout.max_total_tokens={self.rollout.max_total_tokens} exceeds model.max_seq_len="

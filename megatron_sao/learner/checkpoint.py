@@ -134,12 +134,15 @@ def _raise_on_every_rank(error: str | None) -> None:
         raise CheckpointError(verdict[0])
 
 
-def save_checkpoint(learner: Learner, save_dir: str | Path, extra: dict[str, Any] | None = None) -> Path:
-    """Collective: every rank calls it. Returns the checkpoint directory (see role_dir for separate jobs)."""
+def save_checkpoint(
+    learner: Learner, save_dir: str | Path, extra: dict[str, Any] | None = None, tag: str | None = None
+) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint directory (see role_dir for separate jobs): `tag`, or
+    iter_<version> (value pre-training saves as pretrain_<step>: the version stays 0 through it)."""
     from megatron.core import dist_checkpointing
 
     save_dir = role_dir(learner, save_dir)
-    path = save_dir / f"iter_{learner.version:07d}"
+    path = save_dir / (tag or f"iter_{learner.version:07d}")
     error = None
     if dist.get_rank() == 0:
         try:

@@ -5,7 +5,7 @@ finished trajectories.
     A, R = GAE(rewards, values_old; lambda_policy / 1)   algo.compute_step_targets
     K times: value optimizer step on v_loss(V, values_old, R)     K = algo.value.updates_per_policy_step
     once:    policy optimizer step on DIS(logp, logp_rollout, A)
-The critic-free arms (grpo, running_mean) replace the first three lines with sequence-level baselines.
+The critic-free arms (grpo, grpo_async, running_mean) replace the first three lines with sequence-level baselines.
 Built by the training entry point; checkpointed by learner/checkpoint.py.
 """
 
@@ -311,7 +311,7 @@ class Learner:
     def _sequence_advantages(self, trajectories: Sequence[Trajectory]) -> torch.Tensor | None:
         """Critic-free arms: one advantage per trajectory, computed on the whole step before sharding."""
         rewards = torch.tensor([t.header.reward for t in trajectories], dtype=torch.float32)
-        if self.cfg.algo.name == "grpo":
+        if self.cfg.algo.grouped:
             groups = [t.header.prompt_id for t in trajectories]
             return grpo_advantages(rewards, groups, normalize_std=self.cfg.algo.grpo.normalize_std)
         if self.running_mean is not None:

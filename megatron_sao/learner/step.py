@@ -99,7 +99,7 @@ def policy_update(
 ) -> tuple[list[WeightedMetrics], bool, float]:
     """One policy optimizer step: DIS (or PPO-clip for the GRPO arm with policy_loss=ppo_clip) against the
     engines' logged log-probs. `advantages` [B, L] exists on the last pipeline stage."""
-    use_ppo_clip = algo.name == "grpo" and algo.grpo.policy_loss == "ppo_clip"
+    use_ppo_clip = algo.grouped and algo.grpo.policy_loss == "ppo_clip"
 
     def loss_fn(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         assert advantages is not None, "policy loss evaluated off the last pipeline stage"

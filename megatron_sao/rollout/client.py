@@ -343,6 +343,22 @@ class EngineRouter:
         known = [v for u, v in self._versions.items() if self._healthy[u]]
         return max(known) if known else None
 
+    def current_version(self) -> int | None:
+        """The weight version every healthy engine holds now (the lowest, asked of each); None when none answers.
+        The group arms' batches open on it (rollout/worker.py BatchGate)."""
+        versions = []
+        for c in self.clients:
+            if not self._healthy[c.url]:
+                continue
+            try:
+                v = c.weight_version()
+            except (OSError, EngineError, ValueError):
+                continue
+            versions.append(v)
+            with self._lock:
+                self._versions[c.url] = v
+        return min(versions) if versions else None
+
     def lagging(self) -> list[str]:
         """Healthy engines behind the newest weights seen (no new work goes to them)."""
         with self._lock:

@@ -2,13 +2,15 @@
 by rollout/; started by the launch scripts, wired to the bus by the merge: the bus `TrajectorySender` is a sink).
 
 `concurrency` episodes run at a time (threads; each episode is sequential HTTP). Each prompt is rolled out
-`rollouts_per_prompt` times (1 for SAO, G for the GRPO arm; sample_index 0..G-1); the prompt is marked complete in
-the cursor when all of them were pushed (or given up), and the cursor state is saved then. A turn whose engine dies or
-times out is re-issued on another engine by the router; an episode that still fails (no healthy engine, aborted turn,
-an engine error 5xx) is re-issued from scratch after a back-off, up to `max_attempts` times. Any other exception of an
-episode (the environment, the agent loop, a request the engine refuses) fails that sample only: it is logged with the
-prompt id and counted in `failed`, and the run goes on. Every (prompt, sample) is pushed at most once. A log line
-with throughput and engine health is written every `log_interval_s`.
+`rollouts_per_prompt` times (1 for SAO, G for the group arms; sample_index 0..G-1); the prompt is marked complete in
+the cursor when all of them were pushed (or given up), and the cursor state is saved then. The group arms generate in
+batches of `batch_prompts` prompts (BatchGate: lockstep with the learner's weight versions) and push a group only
+whole, once all its G samples finished (a group with a failed sample is dropped and another prompt takes its place).
+A turn whose engine dies or times out is re-issued on another engine by the router; an episode that still fails (no
+healthy engine, aborted turn, an engine error 5xx) is re-issued from scratch after a back-off, up to `max_attempts`
+times. Any other exception of an episode (the environment, the agent loop, a request the engine refuses) fails that
+sample only: it is logged with the prompt id and counted in `failed`, and the run goes on. Every (prompt, sample) is
+pushed at most once. A log line with throughput and engine health is written every `log_interval_s`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -64,6 +67,42 @@ class WorkerConfig:
     retry_backoff_s: float = 1.0
     log_interval_s: float = 30.0
     state_path: str | None = None  # cursor state, saved whenever a prompt completes, at every log interval, at the end
+    batch_prompts: int | None = None  # group arms: prompts per batch (B); None streams (SAO, running_mean)
+    batch_lag: int = 0  # group arms: 0 synchronous (grpo), 1 one-step-off (grpo_async)
+    gate_poll_s: float = 0.1  # how often a batch waiting for new weights asks the engines their version
+
+
+class BatchGate:
+    """When the next batch of a group arm may be generated. Batch i opens once batch i-1 was sent whole and, past the
+    first 1 + lag batches, once the engines hold a version newer than the one batch i-1 was generated with: with lag
+    0 (grpo) that is the version the learner trained on batch i-1, so generation never overlaps training; with lag 1
+    (grpo_async) batch i runs while batch i-1 trains, on the weights trained on batch i-2 -- one version old."""
+
+    def __init__(self, prompts: int, lag: int, engine_version: Callable[[], int | None]) -> None:
+        self.prompts, self.lag, self.engine_version = prompts, lag, engine_version
+        self.index = -1  # the batch being generated
+        self.versions: list[int] = []  # the engines' version when each batch opened
+        self.taken = 0  # prompts taken into the current batch (a dropped group gives its place back)
+        self.sent = 0  # groups of the current batch sent whole
+
+    @property
+    def full(self) -> bool:
+        return self.index >= 0 and self.taken >= self.prompts
+
+    def try_open(self) -> bool:
+        """Open the next batch if it may start now."""
+        if self.index >= 0 and self.sent < self.prompts:
+            return False
+        version = self.engine_version()
+        if version is None:
+            return False
+        if self.index + 1 >= 1 + self.lag and version <= self.versions[-1]:
+            return False
+        self.index += 1
+        self.versions.append(version)
+        self.taken = self.sent = 0
+        log.info("batch %d opens on weights version %d", self.index, version)
+        return True
 
 
 @dataclass
@@ -85,6 +124,7 @@ class WorkerMetrics:
     reward_sum: float = 0.0
     reissued: int = 0
     failed: int = 0
+    dropped_groups: int = 0
 
     def snapshot(self) -> dict[str, float]:
         dt = max(time.monotonic() - self.started, 1e-9)
@@ -96,6 +136,7 @@ class WorkerMetrics:
             "mean_reward": self.reward_sum / max(self.trajectories, 1),
             "reissued": self.reissued,
             "failed": self.failed,
+            "dropped_groups": self.dropped_groups,
         }
 
 
@@ -116,6 +157,13 @@ class RolloutWorker:
         self._backoff: list[_Task] = []  # re-issued tasks waiting out their back-off (never slept on the run thread)
         self._health_pool: cf.ThreadPoolExecutor | None = None  # engine probes, off the run thread
         self._probe: cf.Future[dict[str, bool]] | None = None
+        self._groups: dict[str, dict[int, Trajectory]] = {}  # group arms: finished samples, held until the group is in
+        self._failed_samples: dict[str, int] = {}
+        self.gate: BatchGate | None = None
+        if cfg.batch_prompts is not None:
+            if router is None:
+                raise ValueError("a batched worker (group arms) needs the engine router to read the weight version")
+            self.gate = BatchGate(cfg.batch_prompts, cfg.batch_lag, router.current_version)
         if cfg.state_path:
             cursor.load(cfg.state_path)
 
@@ -137,16 +185,25 @@ class RolloutWorker:
                 if due:
                     self._backoff = [t for t in self._backoff if t.not_before > now]
                     queue[:0] = due
+                exhausted = False
                 while len(running) < self.cfg.concurrency:
-                    if not queue and (max_prompts is None or taken < max_prompts) and self._refill(queue):
-                        taken += 1
+                    if not queue and (max_prompts is None or taken < max_prompts) and self._may_take():
+                        if self._refill(queue):
+                            taken += 1
+                            if self.gate is not None:
+                                self.gate.taken += 1
+                        else:
+                            exhausted = True
                     if not queue:
                         break
                     task = queue.pop(0)
                     running[pool.submit(self._episode, task)] = task
-                if not running and not self._backoff:
+                waiting = self.gate is not None and not exhausted and (max_prompts is None or taken < max_prompts)
+                if not running and not self._backoff and not waiting:
                     break
                 wake = min((t.not_before for t in self._backoff), default=now + 1.0)
+                if waiting and not running:
+                    wake = min(wake, now + self.cfg.gate_poll_s)
                 timeout = min(max(wake - time.monotonic(), 0.0), 1.0)
                 if running:
                     done, _ = cf.wait(running, timeout=timeout, return_when=cf.FIRST_COMPLETED)
@@ -162,6 +219,12 @@ class RolloutWorker:
         self._health_pool = None
         self.log_status()
         return self.status()
+
+    def _may_take(self) -> bool:
+        """Streaming: always. Group arms: while the current batch has room, else once the next one may open."""
+        if self.gate is None:
+            return True
+        return (self.gate.index >= 0 and not self.gate.full) or self.gate.try_open()
 
     def _refill(self, queue: list[_Task]) -> bool:
         item = self.cursor.take()
@@ -190,10 +253,17 @@ class RolloutWorker:
                 e,
                 exc_info=e,
             )
-            self.metrics.failed += 1
+            self._sample_failed(task.key)
+            return
+        if self.gate is not None:  # group arms: a group goes out whole, in sample order, or not at all
+            self._groups.setdefault(task.key, {})[task.sample_index] = traj
             self._sample_finished(task.key)
             return
-        ident = (task.key, task.sample_index)
+        self._send(task.key, task.sample_index, traj)
+        self._sample_finished(task.key)
+
+    def _send(self, key: str, sample_index: int, traj: Trajectory) -> None:
+        ident = (key, sample_index)
         with self._lock:
             assert ident not in self._sent, f"{ident} would be pushed twice"
             self._sent.add(ident)
@@ -203,7 +273,11 @@ class RolloutWorker:
         m.tokens += traj.header.num_tokens
         m.action_tokens += traj.num_action_tokens
         m.reward_sum += traj.header.reward
-        self._sample_finished(task.key)
+
+    def _sample_failed(self, key: str) -> None:
+        self.metrics.failed += 1
+        self._failed_samples[key] = self._failed_samples.get(key, 0) + 1
+        self._sample_finished(key)
 
     def _retry(self, task: _Task, error: BaseException) -> None:
         """Re-issue `task` once its back-off has passed (the run loop starts it; nothing sleeps here)."""
@@ -213,8 +287,7 @@ class RolloutWorker:
                 "prompt %s (%s) sample %d failed %d times, giving up: %r",
                 *(pid, task.key, task.sample_index, task.attempt, error),
             )
-            self.metrics.failed += 1
-            self._sample_finished(task.key)
+            self._sample_failed(task.key)
             return
         log.warning(
             "re-issuing prompt %s (%s) sample %d (attempt %d): %r",
@@ -237,9 +310,27 @@ class RolloutWorker:
         self._remaining[key] -= 1
         if self._remaining[key] == 0:
             del self._remaining[key]
+            if self.gate is not None:
+                self._group_done(key)
+            self._failed_samples.pop(key, None)
             self.cursor.complete(key)
             self.metrics.prompts_done += 1
             self._save_cursor()
+
+    def _group_done(self, key: str) -> None:
+        """Every sample of a group arm's prompt finished: send the group whole, or drop it (a sample failed) and give
+        its place in the batch to another prompt."""
+        assert self.gate is not None
+        group = self._groups.pop(key, {})
+        if self._failed_samples.get(key) or len(group) != self.cfg.rollouts_per_prompt:
+            log.error("group of prompt %s dropped: %d of its %d samples failed; another prompt takes its place",
+                      key, self._failed_samples.get(key, 0), self.cfg.rollouts_per_prompt)  # fmt: skip
+            self.metrics.dropped_groups += 1
+            self.gate.taken -= 1
+            return
+        for index in sorted(group):
+            self._send(key, index, group[index])
+        self.gate.sent += 1
 
     def _save_cursor(self) -> None:
         if self.cfg.state_path:
@@ -305,6 +396,8 @@ def worker_from_config(
         worker_id=worker_id,
         concurrency=r.concurrency,
         rollouts_per_prompt=cfg.algo.rollouts_per_prompt,
+        batch_prompts=cfg.learner.trajectories_per_step // cfg.algo.rollouts_per_prompt if cfg.algo.grouped else None,
+        batch_lag=cfg.algo.batch_lag or 0,
         max_attempts=r.max_episode_attempts,
         log_interval_s=r.log_interval_s,
         state_path=r.cursor_state or str(Path(cfg.launch.run_dir) / cursor_file),

@@ -213,3 +213,91 @@ def test_worker_from_config_rolls_out_on_an_engine(engine_url: str, tiny_dirs: d
     status = worker.run(max_prompts=3)
     assert status["trajectories"] == 6 and (tmp_path / "rollout_cursor.json").is_file()
     assert all(t.num_action_tokens <= 8 and t.header.engine_id == engine_url for t in sink.items)
+
+
+class VersionedEngine:
+    """Answers "<answer>1</answer>" with tokens tagged by the current `version` (set by a fake learner); prompts in
+    `always_fail` fail every attempt."""
+
+    def __init__(self, always_fail: set[str] = frozenset()) -> None:
+        self.version, self.always_fail = 0, set(always_fail)
+
+    def __call__(self, input_ids: list[int], sampling: dict[str, Any]) -> tuple[GenerateResult, str]:
+        if any(p in TOK.decode(input_ids) for p in self.always_fail):
+            raise NoHealthyEngine("scripted outage")
+        ids = TOK("<answer>1</answer>", add_special_tokens=False)["input_ids"] + [TOK.eos_token_id]
+        v = self.version
+        time.sleep(0.002)
+        return GenerateResult("r", ids, [-0.5] * len(ids), [v] * len(ids), "stop", {"type": "stop"}, v, 1), "fake"
+
+
+class FakeRouter:
+    def __init__(self, engine: VersionedEngine) -> None:
+        self.engine = engine
+
+    def current_version(self) -> int:
+        return self.engine.version
+
+    def check_health(self) -> dict[str, bool]:
+        return {"fake": True}
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+def _batched(tmp_path: Path, engine: VersionedEngine, lag: int, batches: int, prompts: int = 2, group: int = 2,
+             n: int = 40) -> tuple[RolloutWorker, InMemorySink, threading.Thread]:  # fmt: skip
+    records = [{"id": f"q{i}", "question": f"question number {i}?", "answer": "1"} for i in range(n)]
+    loop = AgentLoop(make_env("verifiable_answer"), ChatTemplateCodec(TOK), engine, AgentLoopConfig())
+    sink = InMemorySink()
+    wcfg = WorkerConfig(concurrency=3, log_interval_s=5, retry_backoff_s=0.01, rollouts_per_prompt=group,
+                        batch_prompts=prompts, batch_lag=lag, gate_poll_s=0.01, max_attempts=2)  # fmt: skip
+    worker = RolloutWorker(PromptCursor(records), loop, sink, wcfg, FakeRouter(engine))  # type: ignore[arg-type]
+    per_batch = prompts * group
+
+    def learner() -> None:
+        """Steps on each whole batch: grpo pushes right after the step; grpo_async pushes v_k once batch k is in."""
+        for k in range(batches):
+            deadline = time.monotonic() + 60
+            while len(sink.items) < per_batch * (k + 1):
+                assert time.monotonic() < deadline, f"batch {k} never completed"
+                time.sleep(0.005)
+            time.sleep(0.05)  # training
+            if lag == 0:
+                engine.version = k + 1
+            elif k >= 1:
+                engine.version = k
+
+    thread = threading.Thread(target=learner, daemon=True)
+    return worker, sink, thread
+
+
+@pytest.mark.parametrize("lag", [0, 1], ids=["grpo", "grpo_async"])
+def test_group_arms_generate_batches_in_lockstep_with_the_weights(tmp_path: Path, lag: int) -> None:
+    engine = VersionedEngine()
+    batches = 4
+    worker, sink, learner = _batched(tmp_path, engine, lag, batches)
+    learner.start()
+    worker.run(max_prompts=2 * batches)
+    learner.join(60)
+    per_batch = 4
+    ledger = [sorted({int(v) for t in sink.items[i:i + per_batch] for v in t.weight_versions[t.action_mask]})
+              for i in range(0, len(sink.items), per_batch)]  # fmt: skip
+    # grpo: batch k on the weights trained on batch k-1 (version k); grpo_async: one version older (k-1), batch 0 and 1
+    # on the launch weights
+    want = [[k] for k in range(batches)] if lag == 0 else [[0], [0], [1], [2]]
+    assert ledger == want
+    for i in range(0, len(sink.items), 2):  # every group whole and contiguous
+        pair = sink.items[i:i + 2]
+        assert pair[0].header.prompt_id == pair[1].header.prompt_id
+        assert [t.header.sample_index for t in pair] == [0, 1]
+
+
+def test_a_group_with_a_failed_sample_is_dropped_and_replaced(tmp_path: Path) -> None:
+    engine = VersionedEngine(always_fail={"number 1?"})
+    worker, sink, learner = _batched(tmp_path, engine, 0, 2)
+    learner.start()
+    status = worker.run(max_prompts=5)  # 2 batches of 2 prompts need 5 prompts: q1's group is dropped
+    learner.join(60)
+    assert status["dropped_groups"] == 1 and len(sink.items) == 8
+    assert "q1" not in {t.header.prompt_id for t in sink.items}

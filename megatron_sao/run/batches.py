@@ -1,0 +1,86 @@
+"""The learner's next batch from the bus (rank 0 only; run/learn.py shares it with the other ranks).
+
+Streaming arms (sao, running_mean): the first `n` trajectories in arrival order. Group arms (grpo, grpo_async): the
+first n / G groups that are whole -- all G samples of one prompt from one worker -- so a group is never split across
+steps; samples of groups not yet whole stay held for a later step.
+
+While it waits it says so every WAIT_LOG_S (with what the bus saw), and it gives up (None) when the engines may lag
+the learner and nothing fresh arrived for RESYNC_AFTER_S: the last weight push failed (an engine was down), or what
+arrives is dropped as too stale (an engine restarted on its initial weights); the caller then pushes again, so an
+engine that came back with old weights cannot starve the learner.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from megatron_sao.bus.schema import Trajectory
+
+log = logging.getLogger(__name__)
+
+WAIT_LOG_S = 30.0
+RESYNC_AFTER_S = 5.0
+
+
+def whole_groups(held: Sequence[Trajectory], groups: int, group_size: int) -> list[int] | None:
+    """Indices into `held` of the first `groups` whole groups (in the order they completed, each in sample order);
+    None when fewer are whole."""
+    members: dict[tuple[str, str], dict[int, int]] = {}
+    complete: list[tuple[str, str]] = []
+    for i, t in enumerate(held):
+        key = (t.header.worker_id, t.header.prompt_id)
+        group = members.setdefault(key, {})
+        group.setdefault(t.header.sample_index, i)
+        if len(group) == group_size and key not in complete:
+            complete.append(key)
+            if len(complete) == groups:
+                break
+    if len(complete) < groups:
+        return None
+    return [members[k][s] for k in complete for s in sorted(members[k])]
+
+
+class Batches:
+    def __init__(self, receiver: Any, n: int, group_size: int | None) -> None:
+        self.receiver, self.n, self.group_size = receiver, n, group_size
+        self.held: list[Trajectory] = []
+
+    def next(self, lagging: bool) -> list[Trajectory] | None:
+        """Receive until a batch is complete (returned, and no longer held); None per the module docstring."""
+        waited = 0.0
+        stale0 = self.receiver.metrics().get("stale_dropped", 0.0)
+        while True:
+            batch = self._take()
+            if batch is not None:
+                return batch
+            slice_s = RESYNC_AFTER_S if waited < WAIT_LOG_S else WAIT_LOG_S
+            got = self.receiver.recv_batch(max(self.n - len(self.held), 1), timeout_s=slice_s)
+            self.held += got
+            if got:
+                continue
+            waited += slice_s
+            m = self.receiver.metrics()
+            if lagging or m.get("stale_dropped", 0.0) > stale0:
+                return None
+            if waited >= WAIT_LOG_S:
+                log.warning(
+                    "learner waiting for trajectories: %d held for a step of %d (bus: %d sessions, %d accepted, "
+                    "%d rejected, %d dropped as stale)", len(self.held), self.n, int(m.get("sessions", 0)),
+                    int(m.get("accepted", 0)), int(m.get("rejected", 0)), int(m.get("stale_dropped", 0)),
+                )  # fmt: skip
+
+    def _take(self) -> list[Trajectory] | None:
+        if self.group_size is None:
+            if len(self.held) < self.n:
+                return None
+            batch, self.held = self.held[: self.n], self.held[self.n :]
+            return batch
+        picked = whole_groups(self.held, self.n // self.group_size, self.group_size)
+        if picked is None:
+            return None
+        chosen = set(picked)
+        batch = [self.held[i] for i in picked]
+        self.held = [t for i, t in enumerate(self.held) if i not in chosen]
+        return batch
