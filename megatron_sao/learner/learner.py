@@ -229,6 +229,7 @@ class Learner:
             "step/microbatches": float(len(mbs)),
             "step/invalid_trajectories": float(invalid),
             **self._staleness(trajectories),
+            **self._groups(trajectories),
         }
         if total_actions == 0:
             logger.warning("step skipped: its %d trajectories hold no generated tokens", len(trajectories))
@@ -312,11 +313,23 @@ class Learner:
         """Critic-free arms: one advantage per trajectory, computed on the whole step before sharding."""
         rewards = torch.tensor([t.header.reward for t in trajectories], dtype=torch.float32)
         if self.cfg.algo.grouped:
-            groups = [t.header.prompt_id for t in trajectories]
+            groups = [f"{t.header.worker_id}/{t.header.prompt_id}" for t in trajectories]
             return grpo_advantages(rewards, groups, normalize_std=self.cfg.algo.grpo.normalize_std)
         if self.running_mean is not None:
             return self.running_mean.advantages(rewards)
         return None
+
+    def _groups(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        """Group arms: how many prompt groups the step holds and how many of them are not whole (never expected: the
+        run loop takes whole groups only; a partial group's baseline would be wrong)."""
+        if not self.cfg.algo.grouped:
+            return {}
+        sizes: dict[str, int] = {}
+        for t in trajectories:
+            key = f"{t.header.worker_id}/{t.header.prompt_id}"
+            sizes[key] = sizes.get(key, 0) + 1
+        g = self.cfg.algo.grpo.group_size
+        return {"step/groups": float(len(sizes)), "step/partial_groups": float(sum(n != g for n in sizes.values()))}
 
     def _staleness(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         oldest = [t.oldest_version() for t in trajectories]
@@ -326,6 +339,7 @@ class Learner:
             return {}
         return {
             "staleness/mean": float(lag.mean()),
+            "staleness/min": float(lag.min()),
             "staleness/max": float(lag.max()),
             "staleness/versions_in_step": float(len(versions)),
         }
