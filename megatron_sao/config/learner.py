@@ -79,10 +79,9 @@ class LearnerConfig(Section):
 
     value_on_separate_ranks: bool = False
     """Place the value model on its own ranks (a second job with the same parallel layout) instead of sharing the
-    policy's (default: shared). Its K critic updates then run while the policy updates."""
-
-    advantage_address: str = "tcp://127.0.0.1:5557"
-    """With value_on_separate_ranks: where the policy job's rank 0 receives the value job's advantages."""
+    policy's (default: shared); its K critic updates then run while the policy updates. The Learner API supports it
+    (roles={'policy'} / {'value'}, learner/advantage_channel.py); the run loop does not start the two jobs yet and
+    refuses it."""
 
     save_dir: str | None = None
     """Directory for distributed checkpoints; None: <launch.run_dir>/checkpoints. The run resumes from its latest."""

@@ -28,8 +28,8 @@ class ModelConfig(Section):
     """Keys that replace config.json values before the model is built (e.g. {"num_hidden_layers": 2})."""
 
     num_experts: int | None = None
-    """Routed experts per MoE layer. None reads it from config.json; set it to validate parallel.expert
-    without a model directory."""
+    """Routed experts per MoE layer. None reads it from config.json; set, it validates parallel.expert without a
+    model directory, and with one it must equal config.json's count (a mismatch is refused)."""
 
     max_seq_len: int = Field(default=4096, gt=0)
     """Longest packed sequence (prompt + all turns) the learner accepts, in tokens."""
@@ -54,13 +54,15 @@ class ModelConfig(Section):
         return cfg
 
     def resolved_num_experts(self) -> int | None:
-        """Routed expert count: explicit `num_experts`, else config.json, else None (unknown)."""
-        if self.num_experts is not None:
-            return self.num_experts
+        """Routed expert count: config.json's, checked against an explicit `num_experts`; the explicit one without
+        a model directory; None when unknown."""
         cfg = self.hf_config_dict()
-        if cfg is None:
-            return None
+        found = None
         for key in ("num_experts", "n_routed_experts", "num_local_experts"):
-            if cfg.get(key):
-                return int(cfg[key])
-        return None
+            if cfg is not None and cfg.get(key):
+                found = int(cfg[key])
+                break
+        if self.num_experts is not None and found is not None and found != self.num_experts:
+            raise ValueError(f"model.num_experts={self.num_experts} but {self.hf_path}/config.json has {found} routed "
+                             f"experts; set model.num_experts to {found} or leave it unset")  # fmt: skip
+        return found if found is not None else self.num_experts

@@ -117,7 +117,8 @@ class Learner:
             if cfg.learner.value_on_separate_ranks:
                 raise ValueError(
                     "learner.value_on_separate_ranks=true: this learner needs roles={'policy'} or roles={'value'} "
-                    "(one per job; launch.sh starts both), or set learner.value_on_separate_ranks=false"
+                    "(one per job; the run loop does not start the two jobs yet), or set "
+                    "learner.value_on_separate_ranks=false"
                 )
             return wanted
         roles = set(roles)
