@@ -1,21 +1,35 @@
 #!/usr/bin/env bash
 # Start megatron-sao.
-#   ./launch.sh                          the tiny CPU example end to end: an embedded engine, a rollout worker, the
-#                                        bus and a one-rank learner training a random 2-layer MoE for 20 versions
-#                                        (examples/tiny_cpu/config.yaml; makes the model under runs/tiny_cpu/ once;
-#                                        running it again resumes from runs/tiny_cpu/checkpoints)
+#   ./launch.sh                          the agentic main job on this machine (examples/tiny_agentic/config.yaml):
+#                                        a random 2-layer MoE is warm-started on demonstrations of multi-turn tool
+#                                        use (tools/warm_start.py, cached), then value pre-training and SAO with an
+#                                        embedded engine, a rollout worker, the bus and a one-rank learner; prints the
+#                                        reward before and after (everything under runs/tiny_agentic/; running it
+#                                        again resumes from its checkpoints)
+#   ./launch.sh style                    the second example: one-turn writing with a style reward
+#                                        (examples/tiny_cpu/config.yaml)
 #   ./launch.sh run CONFIG [--k v ...]   any config, everything on this machine (launch.mode=local)
 #   ./launch.sh <command> ...            any `python -m megatron_sao` command (learn, rollout, engine, smoke, ...)
 set -euo pipefail
 cd "$(dirname "$0")"
 source tools/setup_env.sh
 
-if [ $# -eq 0 ]; then
-  model=runs/tiny_cpu/model
-  if [ ! -f "$model/config.json" ]; then
-    echo "[launch] making the tiny random model in $model" >&2
-    "$SAO_PYTHON" tools/make_tiny_model.py --family qwen3_moe --out "$model" --force
+tiny_model() {  # tiny_model DIR HIDDEN: a random qwen3_moe with a tokenizer, made once
+  if [ ! -f "$1/config.json" ]; then
+    echo "[launch] making the tiny random model in $1" >&2
+    "$SAO_PYTHON" tools/make_tiny_model.py --family qwen3_moe --out "$1" --hidden "$2" --force
   fi
-  exec "$SAO_PYTHON" -m megatron_sao run examples/tiny_cpu/config.yaml
+}
+
+if [ $# -eq 0 ]; then
+  tiny_model runs/tiny_agentic/base 128
+  "$SAO_PYTHON" tools/warm_start.py --config examples/tiny_agentic/config.yaml --base runs/tiny_agentic/base \
+    --out runs/tiny_agentic/warm
+  exec "$SAO_PYTHON" -m megatron_sao run examples/tiny_agentic/config.yaml
+fi
+if [ "$1" = "style" ]; then
+  shift
+  tiny_model runs/tiny_cpu/model 64
+  exec "$SAO_PYTHON" -m megatron_sao run examples/tiny_cpu/config.yaml "$@"
 fi
 exec "$SAO_PYTHON" -m megatron_sao "$@"

@@ -120,7 +120,10 @@ def _run(ns: argparse.Namespace, rest: list[str]) -> int:
     except (ValueError, EngineStartError) as e:  # a setting to fix (named in the message) or an engine that failed
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from megatron_sao.run.summary import describe, summarize
+
     print(f"[run] done: {summary}", flush=True)
+    print(describe(summarize(cfg.launch.run_dir)), flush=True)
     return 0
 
 

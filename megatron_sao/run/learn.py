@@ -214,7 +214,9 @@ class _Run:
     def log(self, step_s: float, batch: Sequence[Trajectory], metrics: dict[str, float], line: str) -> None:
         if self.rank0:
             assert self.receiver is not None and self.metrics_log is not None
-            record = {"version": self.learner.version, "step_s": step_s, "time": time.time(), **metrics}
+            rewards = [t.header.reward for t in batch]
+            record = {"version": self.learner.version, "step_s": step_s, "time": time.time(),
+                      "reward/mean": sum(rewards) / max(len(rewards), 1), **metrics}  # fmt: skip
             record.update({f"bus/{k}": v for k, v in self.receiver.metrics().items()})
             self.metrics_log.write(record)
             print(f"[learner] {line}", flush=True)

@@ -109,3 +109,47 @@ def test_cursor_resumes_pending_prompts_first_and_skips_completed(tmp_path: Path
     assert json.loads(state.read_text())["completed"] == 2
     with pytest.raises(ValueError, match="another prompt file"):
         PromptCursor(records[:3]).load(state)
+
+
+def test_key_chain_follows_the_keys_and_pays_only_the_exact_answer() -> None:
+    env = make_env("key_chain")
+    rec = next(r for r in env.make_prompts(50, seed=2) if r["hops"] == 3)
+    ep = env.start(rec)
+    key = rec["start"]
+    for _ in range(3):
+        step = ep.step(f"<tool_call>{key}</tool_call><|im_end|>")
+        assert not step.done and step.observation is not None
+        key = step.observation.removeprefix("<tool_response>").removesuffix("</tool_response>")
+    assert key == str(rec["answer"])
+    assert ep.step(f"<answer>{key}</answer>").done and ep.reward() == 1.0 and ep.metadata["lookups"] == 3
+    wrong = env.start(rec)
+    assert "error: no key" in (wrong.step("<tool_call>zz</tool_call>").observation or "")
+    assert wrong.step("<answer>0</answer>").done and wrong.reward() == 0.0
+    chatty = env.start(rec)  # anything around the one tag ends the episode unpaid
+    assert chatty.step(f"sure! <tool_call>{rec['start']}</tool_call>").done and chatty.reward() == 0.0
+
+
+def test_key_chain_lengths_are_long_tailed_and_its_demonstrator_errs_at_the_set_rate() -> None:
+    import random
+    from collections import Counter
+
+    from megatron_sao.rollout.envs.key_chain import HOP_WEIGHTS
+
+    env = make_env("key_chain")
+    hops = Counter(r["hops"] for r in env.make_prompts(4000, seed=1))
+    for h, w in enumerate(HOP_WEIGHTS, start=1):
+        assert abs(hops[h] / 4000 - w) < 0.03, (h, hops[h])
+    assert hops[1] > hops[2] > hops[3] > hops[4] > hops[5] > hops[6] > 0
+    rng = random.Random(0)
+    solved = []
+    for rec in env.make_prompts(600, seed=3):
+        ep, text = env.start(rec), f"Start: {rec['start']}"
+        while True:
+            turn = env.demonstrate(text, rng, 0.1)
+            step = ep.step(turn)
+            if step.done:
+                break
+            text += turn + (step.observation or "")
+        solved.append(ep.reward())
+    expected = sum(w * 0.9 ** (h + 1) for h, w in enumerate(HOP_WEIGHTS, start=1))  # h lookups + 1 answer, all right
+    assert abs(sum(solved) / len(solved) - expected) < 0.05

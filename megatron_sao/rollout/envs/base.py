@@ -65,6 +65,10 @@ class Environment(ABC):
     def start(self, prompt: dict[str, Any]) -> Episode:
         """A fresh episode for one prompt record."""
 
+    def demonstrate(self, context: str, rng: Any, mistake_rate: float) -> str:
+        """A demonstrator's next turn given the episode's text so far (tools/warm_start.py imitates it); optional."""
+        raise NotImplementedError(f"environment {self.name!r} has no demonstrator; tools/warm_start.py needs one")
+
 
 REGISTRY: dict[str, type[Environment]] = {}
 

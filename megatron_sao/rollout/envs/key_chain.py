@@ -1,0 +1,117 @@
+"""Follow a chain of keys with a lookup tool, then answer with the number at its end (registered as "key_chain").
+
+The agentic main task of the tiny example: multi-turn tool use whose episodes differ in turn count (long-tailed:
+most chains are short, a few long) and in length. The prompt gives a start key; the tool answers a lookup
+`<tool_call>KEY</tool_call>` with `<tool_response>NEXT</tool_response>`, where NEXT is the next key or, at the end of
+the chain, a number; the episode ends with `<answer>N</answer>`. Reward 1 when N is the chain's number, else 0 (an
+unknown key costs a turn: the tool answers `error: no key K`). A turn is exactly one lookup or one answer: anything
+else around the tag ends the episode with reward 0 (so longer turns never pay). Every prompt record carries its own
+chain, so the task needs no memorization: each turn copies one thing from the context -- the last key into a lookup,
+or the number into the answer. A model learns the format from demonstrations (`demonstrate`, used by
+tools/warm_start.py), and RL then fixes what the demonstrations got wrong.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_sao.rollout.envs.base import Environment, Episode, StepResult, extract_tag, register
+
+SYSTEM = "Follow the keys: <tool_call>KEY</tool_call> looks one up; answer the number with <answer>N</answer>."
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+HOP_WEIGHTS = (0.40, 0.25, 0.15, 0.10, 0.06, 0.04)
+"""P(chain of 1, 2, ... 6 lookups): long-tailed, as agentic episodes are."""
+_RESPONSE = re.compile(r"<tool_response>(.*?)</tool_response>", re.S)
+_START = re.compile(r"Start: ([a-z]+)")
+_ONE_TAG = re.compile(r"<(tool_call|answer)>[^<>]*</\1>")
+
+
+def _key(rng: random.Random, taken: set[str], length: int) -> str:
+    while True:
+        k = "".join(rng.choice(LETTERS) for _ in range(length))
+        if k not in taken:
+            taken.add(k)
+            return k
+
+
+@dataclass
+class KeyChainEpisode(Episode):
+    chain: dict[str, str] = field(default_factory=dict)
+    answer: int = 0
+    final: int | None = None
+    lookups: int = 0
+
+    def step(self, action_text: str) -> StepResult:
+        turn = action_text.replace("<|im_end|>", "").strip()
+        if _ONE_TAG.fullmatch(turn) is None:  # a turn is exactly one lookup or one answer, nothing around it
+            return StepResult(done=True)
+        answer = extract_tag(turn, "answer")
+        if answer is not None:
+            self.final = int(answer) if answer.strip().isdigit() else None
+            return StepResult(done=True)
+        key = extract_tag(turn, "tool_call")
+        if key is None:
+            return StepResult(done=True)
+        self.lookups += 1
+        key = key.strip()
+        found = self.chain.get(key)
+        return StepResult(done=False, observation=f"<tool_response>{found or f'error: no key {key}'}</tool_response>")
+
+    def reward(self) -> float:
+        self.metadata["lookups"] = self.lookups
+        return 1.0 if self.final == self.answer else 0.0
+
+
+@register
+class KeyChainEnv(Environment):
+    name = "key_chain"
+
+    def __init__(self, key_length: int = 2, max_hops: int = 6) -> None:
+        if not 1 <= max_hops <= len(HOP_WEIGHTS):
+            raise ValueError(f"max_hops={max_hops} must be in 1..{len(HOP_WEIGHTS)}")
+        self.key_length, self.max_hops = key_length, max_hops
+
+    def make_prompts(self, n: int, seed: int = 0) -> list[dict[str, Any]]:
+        rng = random.Random(seed)
+        out = []
+        for i in range(n):
+            hops = rng.choices(range(1, self.max_hops + 1), weights=HOP_WEIGHTS[: self.max_hops])[0]
+            taken: set[str] = set()
+            keys = [_key(rng, taken, self.key_length) for _ in range(hops)]
+            number = rng.randint(10, 99)
+            chain = {k: (keys[j + 1] if j + 1 < hops else str(number)) for j, k in enumerate(keys)}
+            out.append({"id": f"chain-{seed}-{i}", "start": keys[0], "chain": chain, "answer": number, "hops": hops})
+        return out
+
+    def demonstrate(self, context: str, rng: Any, mistake_rate: float) -> str:
+        return demonstrate(context, rng, mistake_rate)
+
+    def start(self, prompt: dict[str, Any]) -> KeyChainEpisode:
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Start: {prompt['start']}"}]
+        return KeyChainEpisode(messages=messages, metadata={"env": self.name, "hops": int(prompt["hops"])},
+                               chain=dict(prompt["chain"]), answer=int(prompt["answer"]))  # fmt: skip
+
+
+def demonstrate(context: str, rng: random.Random, mistake_rate: float) -> str:
+    """The demonstrator's next turn for a key_chain context (the text so far): look up the last key, or answer the
+    number once a lookup gave one. With probability `mistake_rate` a turn goes wrong (a key with one letter
+    changed, or an answer with a wrong number), so imitation leaves room for RL."""
+    responses = _RESPONSE.findall(context)
+    last = responses[-1].strip() if responses else None
+    if last is None:
+        start = _START.search(context)
+        last = start.group(1) if start else ""
+    wrong = rng.random() < mistake_rate
+    if last.isdigit():
+        number = str(rng.randint(10, 99)) if wrong else last
+        return f"<answer>{number}</answer>"
+    if last.startswith("error"):  # a wrong lookup earlier: give up with a guess
+        return f"<answer>{rng.randint(10, 99)}</answer>"
+    key = last
+    if wrong and key:
+        i = rng.randrange(len(key))
+        key = key[:i] + rng.choice(LETTERS.replace(key[i], "")) + key[i + 1 :]
+    return f"<tool_call>{key}</tool_call>"
