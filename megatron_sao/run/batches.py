@@ -13,7 +13,7 @@ engine that came back with old weights cannot starve the learner.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from megatron_sao.bus.schema import Trajectory
@@ -47,24 +47,27 @@ class Batches:
         self.receiver, self.n, self.group_size = receiver, n, group_size
         self.held: list[Trajectory] = []
 
-    def next(self, lagging: bool) -> list[Trajectory] | None:
-        """Receive until a batch is complete (returned, and no longer held); None per the module docstring."""
-        waited = 0.0
+    def next(self, lagging: bool, stopping: Callable[[], bool] = lambda: False) -> list[Trajectory] | None:
+        """Receive until a batch is complete (returned, and no longer held); None per the module docstring, or
+        within RESYNC_AFTER_S of `stopping()` turning true (the run is asked to stop)."""
+        waited, logged = 0.0, 0.0
         stale0 = self.receiver.metrics().get("stale_dropped", 0.0)
         while True:
             batch = self._take()
             if batch is not None:
                 return batch
-            slice_s = RESYNC_AFTER_S if waited < WAIT_LOG_S else WAIT_LOG_S
-            got = self.receiver.recv_batch(max(self.n - len(self.held), 1), timeout_s=slice_s)
+            if stopping():
+                return None
+            got = self.receiver.recv_batch(max(self.n - len(self.held), 1), timeout_s=RESYNC_AFTER_S)
             self.held += got
             if got:
                 continue
-            waited += slice_s
+            waited += RESYNC_AFTER_S
             m = self.receiver.metrics()
             if lagging or m.get("stale_dropped", 0.0) > stale0:
                 return None
-            if waited >= WAIT_LOG_S:
+            if waited - logged >= WAIT_LOG_S:
+                logged = waited
                 log.warning(
                     "learner waiting for trajectories: %d held for a step of %d (bus: %d sessions, %d accepted, "
                     "%d rejected, %d dropped as stale)", len(self.held), self.n, int(m.get("sessions", 0)),

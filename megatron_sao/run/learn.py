@@ -13,6 +13,8 @@
         trajectories are exactly one version old
     every learner.save_interval versions (pre-training: steps) and at the end: checkpoint, then commit the bus
     one progress line per step on rank 0, every metric in <run_dir>/metrics.jsonl
+    SIGTERM / SIGINT (scancel, the launcher, Ctrl-C) on any rank: the step in progress ends, every rank checkpoints,
+    learn returns with `stopped` set (the `learn` command exits 128 + the signal); a second SIGINT interrupts at once
 
 Engines start from the HF weights (version 0); after a resume they get the checkpoint's weights before any new
 trajectory is taken, so the versions they tag tokens with are the learner's.
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,6 +40,10 @@ from megatron_sao.run.batches import Batches
 from megatron_sao.run.pretrain import ValuePretraining
 
 log = logging.getLogger(__name__)
+
+STOP_FILE = "STOP"
+"""<run_dir>/STOP asks the learner to checkpoint and stop (launch/slurm.py writes it; the learner removes it once it
+has stopped, the launcher before it starts one)."""
 
 FINAL_PUSH_ATTEMPTS = 6
 FINAL_PUSH_RETRY_S = 5.0
@@ -64,6 +72,52 @@ def _share(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+class StopSignal:
+    """SIGTERM / SIGINT, noted on this rank (installed from the main thread only), or a stop request -- the file
+    <run_dir>/STOP, which the Slurm launcher writes (a signal through torchrun gives the ranks only 30 s before it
+    kills them, too little to checkpoint a large model) -- agreed on by all ranks."""
+
+    def __init__(self, request_file: Path | None = None) -> None:
+        self.got = 0
+        self.request_file = request_file
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def signum(self) -> int:
+        """The signal this rank got, SIGTERM for a stop request, 0 for neither."""
+        if not self.got and self.request_file is not None and self.request_file.exists():
+            log.warning("stop requested (%s): finishing this step, then checkpointing and stopping", self.request_file)
+            self.got = signal.SIGTERM
+        return self.got
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.got and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.got = self.got or signum
+        log.warning("%s: finishing this step, then checkpointing and stopping", signal.Signals(signum).name)
+
+    def agreed(self) -> int:
+        """Collective: the signal any rank got (0: none)."""
+        if dist.get_world_size() == 1:
+            return self.signum
+        import torch
+
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        flag = torch.tensor([self.signum], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
 
 
 class EngineWeights:
@@ -140,6 +194,35 @@ class MetricsLog:
         self.file.close()
 
 
+class TrajectoryLedger:
+    """One JSON line per trajectory a step trained on, in <run_dir>/trajectories.jsonl (rank 0): which step (the
+    version after it), its weight versions, tokens, turns and timings (start, finish, generation and tool seconds,
+    arrival at the learner). What the pipeline-efficiency benchmark and the cluster simulator read."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = path.open("a")
+
+    def write(self, batch: Sequence[Trajectory], version: int, pretrain: bool) -> None:
+        now = time.time()
+        for t in batch:
+            h = t.header
+            acted = t.weight_versions[t.action_mask]
+            self.file.write(json.dumps({
+                "id": h.trajectory_id, "prompt_id": h.prompt_id, "sample": h.sample_index, "worker": h.worker_id,
+                "step_version": version, "pretrain": pretrain,
+                "versions": [int(acted.min()), int(acted.max())] if acted.size else None,
+                "tokens": h.num_tokens, "action_tokens": int(t.action_mask.sum()), "turns": len(h.turns),
+                "reward": h.reward, "started_at": h.timings.started_at, "finished_at": h.timings.finished_at,
+                "sent_at": h.timings.sent_at, "trained_at": now, "gen_s": sum(turn.generate_s for turn in h.turns),
+                "tool_s": sum(turn.tool_s for turn in h.turns),
+            }) + "\n")  # fmt: skip
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
 def _progress(step_s: float, batch: Sequence[Trajectory], metrics: dict[str, float], max_steps: int) -> str:
     rewards = [t.header.reward for t in batch]
     parts = [
@@ -185,13 +268,20 @@ class _Run:
         self.batches = Batches(self.receiver, cfg.learner.trajectories_per_step, group) if self.rank0 else None
         self.sync = _weight_sync(learner, cfg, engine_urls) if engine_urls else None
         self.metrics_log = MetricsLog(self.run_dir / "metrics.jsonl") if self.rank0 else None
+        self.ledger = TrajectoryLedger(self.run_dir / "trajectories.jsonl") if self.rank0 else None
         self.engines = EngineWeights(learner, self.sync, cfg.weight_sync, deferred=cfg.algo.name == "grpo_async")
         self.saved_at: tuple[int, int] | None = (learner.version, self.pretrain.steps) if self.resume else None
         self.steps = 0
+        self.stop = StopSignal(self.run_dir / STOP_FILE if self.rank0 else None)
+        self.stopped = 0  # the signal all ranks agreed to stop on
 
     def next_batch(self) -> list[Trajectory] | None:
-        """Collective: the same batch on every rank; None when the engines may lag and should get a push first."""
-        return _share(self.batches.next(self.engines.lagging) if self.batches is not None else None)
+        """Collective: the same batch on every rank; None when the engines may lag and should get a push first, or
+        when the run is asked to stop (self.stopped says which)."""
+        batch = self.batches.next(self.engines.lagging, lambda: bool(self.stop.signum)) if self.batches else None
+        batch = _share(batch)
+        self.stopped = self.stop.agreed()
+        return None if self.stopped else batch
 
     def save(self, force: bool = False) -> None:
         """Collective: checkpoint on the interval (policy versions; pre-training steps) or when forced, with the bus
@@ -213,7 +303,8 @@ class _Run:
 
     def log(self, step_s: float, batch: Sequence[Trajectory], metrics: dict[str, float], line: str) -> None:
         if self.rank0:
-            assert self.receiver is not None and self.metrics_log is not None
+            assert self.receiver is not None and self.metrics_log is not None and self.ledger is not None
+            self.ledger.write(batch, self.learner.version, self.pretrain.active or "pretrain/samples" in metrics)
             rewards = [t.header.reward for t in batch]
             record = {"version": self.learner.version, "step_s": step_s, "time": time.time(),
                       "reward/mean": sum(rewards) / max(len(rewards), 1), **metrics}  # fmt: skip
@@ -231,6 +322,8 @@ class _Run:
             self.receiver.close()
         if self.metrics_log is not None:
             self.metrics_log.close()
+        if self.ledger is not None:
+            self.ledger.close()
 
 
 def learn(cfg: SAOConfig, engine_urls: list[str], on_ready: Callable[[], None] | None = None) -> dict[str, Any]:
@@ -247,6 +340,7 @@ def learn(cfg: SAOConfig, engine_urls: list[str], on_ready: Callable[[], None] |
                     "every trajectory will be generated by the initial policy")  # fmt: skip
     run = _Run(cfg, engine_urls)
     learner, engines, max_steps = run.learner, run.engines, cfg.learner.max_steps
+    run.stop.install()
     try:
         if engines.enabled and learner.version > 0:  # give the engines the checkpoint's weights first
             engines.push()
@@ -257,6 +351,8 @@ def learn(cfg: SAOConfig, engine_urls: list[str], on_ready: Callable[[], None] |
             on_ready()
         while learner.version < max_steps:
             batch = run.next_batch()
+            if run.stopped:
+                break
             if batch is None:  # waiting while trajectories came stale or not at all: the engines lag, push again
                 engines.push()
                 continue
@@ -269,21 +365,31 @@ def learn(cfg: SAOConfig, engine_urls: list[str], on_ready: Callable[[], None] |
                 run.log(time.monotonic() - t0, batch, metrics, run.pretrain.progress(metrics))
                 continue
             pushed = engines.push() if engines.deferred and engines.behind else {}  # grpo_async: version k now
+            t1 = time.monotonic()
             metrics = learner.train_step(batch)
-            step_s = time.monotonic() - t0
+            step_s = time.monotonic() - t1
             run.steps += 1
             metrics.update(pushed)
             if engines.due():  # a skipped step (nothing trainable) leaves the version: nothing new to push or save
-                metrics.update(engines.push())
+                pushed = engines.push()
+                metrics.update(pushed)
+            metrics["time/train"] = step_s
+            metrics["time/sync"] = (t1 - t0) + (time.monotonic() - t1 - step_s)  # every push of this iteration
             run.save(force=learner.version >= max_steps)
             run.log(step_s, batch, metrics, _progress(step_s, batch, metrics, max_steps))
         run.save(force=True)
-        final = engines.finish()
+        final = {} if run.stopped else engines.finish()  # stopping: the engines may be going down too
         if final and run.metrics_log is not None:
             run.metrics_log.write({"version": learner.version, "time": time.time(), **final})
+        if run.stopped and run.rank0:
+            (run.run_dir / STOP_FILE).unlink(missing_ok=True)
+            print(f"[learner] stopped by {signal.Signals(run.stopped).name} at version {learner.version}; "
+                  f"checkpointed in {run.save_dir} (run again to resume)", flush=True)  # fmt: skip
     finally:
+        run.stop.restore()
         run.close()
-    summary = {"version": learner.version, "steps": run.steps, "save_dir": run.save_dir, "run_dir": str(run.run_dir)}
+    summary = {"version": learner.version, "steps": run.steps, "save_dir": run.save_dir, "run_dir": str(run.run_dir),
+               "stopped": signal.Signals(run.stopped).name if run.stopped else None}  # fmt: skip
     destroy_distributed()
     return summary
 

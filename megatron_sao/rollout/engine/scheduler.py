@@ -69,6 +69,8 @@ class Scheduler:
         self._stopped = False
         self._in_step = False  # a prefill/decode step is running outside the lock
         self.stats = {"generated_tokens": 0, "decode_steps": 0, "prefills": 0, "finished": 0, "aborted": 0}
+        self.busy_s = 0.0  # time in forward passes (prefills and decode steps) since start
+        self.started = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
 
     def start(self) -> None:
@@ -166,6 +168,8 @@ class Scheduler:
                 "num_waiting": len(self._waiting),
                 "paused": self._paused,
                 "weight_version": self.weight_version,
+                "busy_s": self.busy_s,
+                "uptime_s": time.monotonic() - self.started,
                 **self.stats,
             }
 
@@ -195,6 +199,7 @@ class Scheduler:
                 admitted = self._admit()
                 batch = [r for r in self._running if r not in admitted]
                 self._in_step = True
+            started = time.monotonic()
             try:
                 for req in admitted:
                     self._prefill(req)
@@ -211,6 +216,7 @@ class Scheduler:
             finally:
                 with self._cv:
                     self._in_step = False
+                    self.busy_s += time.monotonic() - started
                     self._cv.notify_all()
 
     def alive(self) -> bool:

@@ -8,13 +8,16 @@ unknown key costs a turn: the tool answers `error: no key K`). A turn is exactly
 else around the tag ends the episode with reward 0 (so longer turns never pay). Every prompt record carries its own
 chain, so the task needs no memorization: each turn copies one thing from the context -- the last key into a lookup,
 or the number into the answer. A model learns the format from demonstrations (`demonstrate`, used by
-tools/warm_start.py), and RL then fixes what the demonstrations got wrong.
+tools/warm_start.py), and RL then fixes what the demonstrations got wrong. Option `tool_latency_s`: every lookup
+takes that long, as real tools (sandboxes, search) do; the episodes' durations then follow the long tail of their
+lookup counts (benchmarks/pipeline_efficiency.py uses it).
 """
 
 from __future__ import annotations
 
 import random
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +46,7 @@ class KeyChainEpisode(Episode):
     answer: int = 0
     final: int | None = None
     lookups: int = 0
+    tool_latency_s: float = 0.0
 
     def step(self, action_text: str) -> StepResult:
         turn = action_text.replace("<|im_end|>", "").strip()
@@ -56,6 +60,8 @@ class KeyChainEpisode(Episode):
         if key is None:
             return StepResult(done=True)
         self.lookups += 1
+        if self.tool_latency_s:
+            time.sleep(self.tool_latency_s)  # a tool that takes time, as sandboxes and searches do
         key = key.strip()
         found = self.chain.get(key)
         return StepResult(done=False, observation=f"<tool_response>{found or f'error: no key {key}'}</tool_response>")
@@ -69,10 +75,12 @@ class KeyChainEpisode(Episode):
 class KeyChainEnv(Environment):
     name = "key_chain"
 
-    def __init__(self, key_length: int = 2, max_hops: int = 6) -> None:
+    def __init__(self, key_length: int = 2, max_hops: int = 6, tool_latency_s: float = 0.0) -> None:
         if not 1 <= max_hops <= len(HOP_WEIGHTS):
             raise ValueError(f"max_hops={max_hops} must be in 1..{len(HOP_WEIGHTS)}")
-        self.key_length, self.max_hops = key_length, max_hops
+        if tool_latency_s < 0:
+            raise ValueError(f"tool_latency_s={tool_latency_s} must be >= 0")
+        self.key_length, self.max_hops, self.tool_latency_s = key_length, max_hops, tool_latency_s
 
     def make_prompts(self, n: int, seed: int = 0) -> list[dict[str, Any]]:
         rng = random.Random(seed)
@@ -92,7 +100,8 @@ class KeyChainEnv(Environment):
     def start(self, prompt: dict[str, Any]) -> KeyChainEpisode:
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Start: {prompt['start']}"}]
         return KeyChainEpisode(messages=messages, metadata={"env": self.name, "hops": int(prompt["hops"])},
-                               chain=dict(prompt["chain"]), answer=int(prompt["answer"]))  # fmt: skip
+                               chain=dict(prompt["chain"]), answer=int(prompt["answer"]),
+                               tool_latency_s=self.tool_latency_s)  # fmt: skip
 
 
 def demonstrate(context: str, rng: random.Random, mistake_rate: float) -> str:
