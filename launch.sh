@@ -12,7 +12,7 @@
 #   ./launch.sh <command> ...            any `python -m megatron_sao` command (learn, rollout, engine, smoke, ...)
 set -euo pipefail
 cd "$(dirname "$0")"
-source tools/setup_env.sh
+source tools/setup_env.sh ""  # (not this script's arguments: they would name an extra)
 
 tiny_model() {  # tiny_model DIR HIDDEN: a random qwen3_moe with a tokenizer, made once
   if [ ! -f "$1/config.json" ]; then

@@ -199,8 +199,10 @@ def main() -> None:
             if engine.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"engine did not start: {(work / 'engine.log').read_text()[-2000:]}")
             time.sleep(0.3)
-        print(f"model {size_mb:.0f} MB fp32 ({args.family}, {args.layers} layers, hidden {args.hidden}, "
-              f"{args.experts} experts, vocab {args.vocab}); buckets of {args.bucket_mb} MB; {args.repeats} repeats")
+        print(
+            f"model {size_mb:.0f} MB fp32 ({args.family}, {args.layers} layers, hidden {args.hidden}, "
+            f"{args.experts} experts, vocab {args.vocab}); buckets of {args.bucket_mb} MB; {args.repeats} repeats"
+        )
         for pp in (1, 2):
             ports = {"sync": find_free_port(), "raw": find_free_port()}
             sizes = str(work / f"stage_bytes_pp{pp}")

@@ -5,7 +5,10 @@ config check FILE [...]                      validate only (exit 2 with the erro
 platform                                     list the CPU platform patches and whether they apply here
 smoke                                        build and train a tiny megatron-core MoE model for a few steps
 engine --model DIR --port N [...]            embedded CPU engine speaking SGLang's HTTP API (rollout/engine/)
-run CONFIG [--section.key VALUE ...]         the whole run on this machine: engines, rollout worker, learner
+run CONFIG [--section.key VALUE ...]         the whole run: on this machine (launch.mode=local), or every role as
+                                             an srun step inside a Slurm allocation (launch.mode=slurm; --dry-run
+                                             prints the node map and every command)
+submit CONFIG [...] [--dry-run] [--wait]     write <run_dir>/slurm.sbatch for a launch.mode=slurm run and sbatch it
 learn CONFIG --engines URLS [...]            the learner loop (every rank; under torchrun / srun on clusters)
 rollout CONFIG --engines URLS [...]          one rollout worker pushing trajectories onto the bus
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -88,12 +92,18 @@ def _read_config(path: str | None, overrides: list[str]) -> Any:
         return None
 
 
-def _load(prog: str, rest: list[str], engines: bool) -> tuple[Any, argparse.Namespace, list[str]] | None:
+def _load(
+    prog: str, rest: list[str], engines: bool = False, launch: bool = False
+) -> tuple[Any, argparse.Namespace, list[str]] | None:
     """(config, parsed args, dotted overrides) with logging set up from the config; None after printing an error."""
     p = argparse.ArgumentParser(prog=f"python -m megatron_sao {prog}")
     p.add_argument("config", help="the run's YAML/TOML config")
     if engines:
         p.add_argument("--engines", default="", help="comma-separated engine URLs the learner pushes weights to")
+    if launch:
+        p.add_argument("--dry-run", action="store_true", help="print the plan and every command; start nothing")
+    if prog == "submit":
+        p.add_argument("--wait", action="store_true", help="block until the job ends; exit with its status")
     args, overrides = p.parse_known_args(rest)
     cfg = _read_config(args.config, overrides)
     if cfg is None:
@@ -108,14 +118,25 @@ def _load(prog: str, rest: list[str], engines: bool) -> tuple[Any, argparse.Name
 
 @command("run")
 def _run(ns: argparse.Namespace, rest: list[str]) -> int:
-    loaded = _load("run", rest, engines=False)
+    loaded = _load("run", rest, launch=True)
     if loaded is None:
         return 2
     cfg, args, overrides = loaded
     from megatron_sao.rollout.sglang_launcher import EngineStartError
-    from megatron_sao.run.local import run_local
 
     try:
+        if cfg.launch.mode == "slurm":
+            from megatron_sao.launch.slurm import dry_run, run_slurm
+
+            if args.dry_run:
+                print(dry_run(cfg, args.config, overrides))
+                return 0
+            return run_slurm(cfg, args.config, overrides)
+        if args.dry_run:
+            print("error: --dry-run shows a launch.mode=slurm plan; this config is launch.mode=local", file=sys.stderr)
+            return 2
+        from megatron_sao.run.local import run_local
+
         summary = run_local(cfg, args.config, overrides)
     except (ValueError, EngineStartError) as e:  # a setting to fix (named in the message) or an engine that failed
         print(f"error: {e}", file=sys.stderr)
@@ -124,7 +145,41 @@ def _run(ns: argparse.Namespace, rest: list[str]) -> int:
 
     print(f"[run] done: {summary}", flush=True)
     print(describe(summarize(cfg.launch.run_dir)), flush=True)
-    return 0
+    return 128 + int(signal.Signals[summary["stopped"]]) if summary.get("stopped") else 0
+
+
+@command("submit")
+def _submit(ns: argparse.Namespace, rest: list[str]) -> int:
+    loaded = _load("submit", rest, launch=True)
+    if loaded is None:
+        return 2
+    cfg, args, overrides = loaded
+    from megatron_sao.launch.nodemap import NodeMapError
+    from megatron_sao.launch.sbatch import render_sbatch, submit
+    from megatron_sao.launch.slurm import dry_run
+
+    if cfg.launch.mode != "slurm":
+        print(f"error: launch.mode={cfg.launch.mode!r}: submit runs launch.mode=slurm configs; set launch.mode: slurm "
+              "(or --launch.mode slurm)", file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        plan = dry_run(cfg, args.config, overrides)  # the node map must fit before anything is queued
+    except NodeMapError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(render_sbatch(cfg, args.config, overrides))
+        print(plan)
+        return 0
+    try:
+        script, job, code = submit(cfg, args.config, overrides, wait=args.wait)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"[submit] job {job}: {script}; its output: {script.parent / 'logs' / f'slurm-{job}.out'}", flush=True)
+    if args.wait:
+        print(f"[submit] job {job} ended with {code}", flush=True)
+    return code
 
 
 @command("learn")
@@ -139,7 +194,7 @@ def _learn(ns: argparse.Namespace, rest: list[str]) -> int:
     summary = learn(cfg, urls)
     if os.environ.get("RANK", "0") == "0":
         print(f"[learner] done: {summary}", flush=True)
-    return 0
+    return 128 + int(signal.Signals[summary["stopped"]]) if summary["stopped"] else 0
 
 
 @command("rollout")

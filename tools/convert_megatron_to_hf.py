@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +27,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB")
     p.add_argument("--force", action="store_true", help="replace the contents of a non-empty --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--dry-run", action="store_true", help="say what it would convert, what is missing; write nothing")
     a = p.parse_args(argv)
+    if a.dry_run:
+        from megatron_sao.learner.checkpoint import LATEST
+
+        ckpt = Path(a.ckpt)
+        if (ckpt / LATEST).is_file():
+            ckpt = ckpt / (ckpt / LATEST).read_text().strip()
+        checks = {"--ckpt": ckpt / "metadata.json", "--hf-config": Path(a.hf_config) / "config.json"}
+        missing = [f"{flag} {path.parent} (no {path.name})" for flag, path in checks.items() if not path.is_file()]
+        print(f"would convert the policy of {ckpt} into {a.out} (config and tokenizer from {a.hf_config}, dtype "
+              f"{a.dtype or 'as in the original HF checkpoint'}, shards up to {a.max_shard_size})")  # fmt: skip
+        print("missing now: " + "; ".join(missing) if missing else "every input is there")
+        return 0
     from megatron_sao.convert.megatron_to_hf import convert_megatron_to_hf
 
     try:

@@ -1,32 +1,112 @@
-"""`launch` section: where processes run (one machine, or Slurm) and where the run writes."""
+"""`launch` section: where processes run (one machine, or the nodes of a Slurm allocation) and where the run writes.
+
+Read by run/local.py (launch.mode=local) and launch/ (launch.mode=slurm: the node map, the srun steps, sbatch)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from megatron_sao.config.base import Section
 
 
+class SlurmConfig(Section):
+    """What `./launch.sh submit` writes into the sbatch script (launch/sbatch.py); the node count comes from the
+    roles (launch.nnodes + rollout_nodes + worker_nodes)."""
+
+    job_name: str = "megatron-sao"
+    partition: str | None = None
+    """--partition (None: the cluster's default)."""
+
+    account: str | None = None
+    """--account (None: the user's default)."""
+
+    time: str | None = None
+    """--time, in Slurm's syntax (2-00:00:00); None: the partition's limit."""
+
+    exclusive: bool = False
+    """--exclusive: whole nodes (set it on GPU clusters, where nodes are not shared)."""
+
+    signal_grace_s: int = Field(default=300, ge=0)
+    """--signal=B:TERM@N: the launcher is told this long before the time limit, so the learner checkpoints in time
+    (0: no early signal)."""
+
+    sbatch_args: list[str] = Field(default_factory=list)
+    """More #SBATCH options, verbatim (["--qos=high", "--constraint=h100"])."""
+
+    srun_args: list[str] = Field(default_factory=list)
+    """Appended to every srun of a role (["--mpi=pmix"], container flags ...)."""
+
+    setup: list[str] = Field(default_factory=list)
+    """Shell lines the sbatch script runs before the launcher (module load ..., source /path/venv/bin/activate)."""
+
+
 class LaunchConfig(Section):
     mode: Literal["local", "slurm"] = "local"
-    """local: every role on this machine; slurm: roles placed by `launch.sh` on the allocation."""
+    """local: every role on this machine (`run`); slurm: `./launch.sh run` inside an allocation places every role
+    on its nodes (launch/), `./launch.sh submit` writes and submits the sbatch script."""
 
     nnodes: int = Field(default=1, ge=1)
-    """Learner nodes."""
+    """Learner nodes (slurm: the allocation's first nnodes nodes; torchrun's rendezvous is on the first)."""
 
     nproc_per_node: int = Field(default=1, ge=1)
     """Learner ranks per node (GPUs per node on a cluster)."""
 
     rollout_nodes: int = Field(default=0, ge=0)
-    """Nodes reserved for engines (0: engines share the learner's machine)."""
+    """slurm: nodes of engines, after the learner's (rollout.num_engines spread evenly over them); 0: the engines
+    run on the first learner node (CPU clusters). local: must be 0."""
+
+    worker_nodes: int = Field(default=0, ge=0)
+    """slurm: nodes of rollout workers only, after the engines'; 0: the workers run on the engine nodes (or the first
+    learner node when rollout_nodes is 0). local: must be 0."""
+
+    workers_per_node: int = Field(default=1, ge=1)
+    """slurm: rollout workers per worker node, each with its own share of the prompts (local: one worker)."""
+
+    gpus_per_node: int = Field(default=8, ge=0)
+    """GPUs per node: the sbatch request (--gpus-per-node; none when 0), the SGLang engines' --base-gpu-id offsets,
+    and the bound on engines per node (tp x dp each) and on nproc_per_node of a GPU learner."""
+
+    rdzv_port: int = Field(default=29400, ge=1024, le=65535)
+    """torchrun's rendezvous port on the first learner node."""
+
+    max_restarts: int = Field(default=5, ge=0)
+    """Per role (each engine, each rollout worker, the learner under slurm): restarts after it exits unexpectedly;
+    one more exit stops the run (the learner checkpoints first)."""
+
+    stop_timeout_s: float = Field(default=120.0, gt=0)
+    """After SIGTERM / scancel / a role beyond its budget: how long the learner gets to checkpoint and exit before
+    every step is killed."""
 
     run_dir: str = "runs/default"
-    """Logs, metrics and checkpoints (unless learner.save_dir says otherwise)."""
+    """Logs, metrics and checkpoints (unless learner.save_dir says otherwise); on a shared filesystem under slurm."""
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
 
     @property
     def learner_world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
+
+    @property
+    def total_nodes(self) -> int:
+        """Nodes a slurm run needs: learner, engine and worker nodes."""
+        return self.nnodes + self.rollout_nodes + self.worker_nodes
+
+    @model_validator(mode="after")
+    def _check(self) -> LaunchConfig:
+        if self.mode == "local":
+            for name in ("rollout_nodes", "worker_nodes"):
+                if getattr(self, name):
+                    raise ValueError(f"launch.{name}={getattr(self, name)} places roles on other nodes, which "
+                                     "launch.mode=local never does: set launch.mode=slurm (and run inside an "
+                                     f"allocation or `./launch.sh submit`), or launch.{name}=0")  # fmt: skip
+            if self.workers_per_node > 1:
+                raise ValueError(f"launch.workers_per_node={self.workers_per_node}: launch.mode=local runs one rollout "
+                                 "worker (raise rollout.concurrency instead), or set launch.mode=slurm")  # fmt: skip
+            if self.nnodes > 1:
+                raise ValueError(f"launch.nnodes={self.nnodes}: launch.mode=local runs the learner on this machine; "
+                                 "set launch.mode=slurm for more learner nodes, or launch.nnodes=1")  # fmt: skip
+        return self

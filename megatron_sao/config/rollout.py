@@ -42,8 +42,11 @@ class SGLangServerConfig(Section):
     weight_version: str = "0"
     """--weight-version: the version string of the launch weights (the learner pushes str(step) after that)."""
 
-    gpus_per_node: int = Field(default=8, ge=1)
-    """Engines on one node get --base-gpu-id 0, tp*dp, 2*tp*dp, ... modulo this."""
+    @property
+    def gpus(self) -> int:
+        """GPUs one engine takes (tp x dp); engines on one node get --base-gpu-id 0, gpus, 2 x gpus, ...
+        (launch.gpus_per_node bounds how many fit)."""
+        return self.tp * self.dp
 
     extra_args: list[str] = Field(default_factory=list)
     """Appended verbatim to the launch command."""

@@ -1,6 +1,6 @@
-"""`python -m megatron_sao rollout CONFIG --engines URL[,URL...] [--worker-id ID] [--section.key VALUE ...]`: one
-rollout worker pushing every finished trajectory onto the bus (cfg.bus.connect_address) until SIGTERM / SIGINT or
-the prompts run out (called by cli.py; started by run/local.py, or by hand / srun on a cluster)."""
+"""`python -m megatron_sao rollout CONFIG --engines URL[,URL...] [--worker-id ID --shard I/N] [--section.key V ...]`:
+one rollout worker pushing every finished trajectory onto the bus (cfg.bus.connect_address) until SIGTERM / SIGINT
+or the prompts run out (called by cli.py; started by run/local.py, by launch/ as an srun step, or by hand)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--engines", required=True, help="comma-separated engine URLs (http://HOST:PORT)")
     p.add_argument("--worker-id", default="rollout-0", help="unique per worker: the bus de-duplicates per worker")
     p.add_argument("--max-prompts", type=int, default=None, help="stop after this many prompts")
+    p.add_argument("--shard", default="0/1", metavar="I/N", help="take every N-th prompt from the I-th (N workers)")
     args, overrides = p.parse_known_args(argv)
+    try:
+        shard = tuple(int(x) for x in args.shard.split("/"))
+        assert len(shard) == 2
+    except (ValueError, AssertionError):
+        print(f"error: --shard {args.shard!r}: write I/N, e.g. 0/2")
+        return 2
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
@@ -56,7 +63,7 @@ def main(argv: list[str]) -> int:
     sender = TrajectorySender(cfg.bus, args.worker_id)
     try:
         sink = StoppableSink(sender, stop)
-        worker = worker_from_config(cfg, sink, urls, worker_id=args.worker_id)
+        worker = worker_from_config(cfg, sink, urls, worker_id=args.worker_id, shard=(shard[0], shard[1]))
         status = worker.run(max_prompts=args.max_prompts, stop=stop)
         logging.getLogger(__name__).info(
             "rollout worker %s done: %s; %d finished trajectories not delivered (stopped while the bus was full)",

@@ -21,32 +21,33 @@ from megatron_sao.config.rollout import RolloutConfig
 from megatron_sao.rollout.client import SGLangClient
 
 
-def sglang_command(rollout: RolloutConfig, model_path: str, index: int, python: str = sys.executable) -> list[str]:
-    """The launch command of SGLang engine `index` (port base_port + index)."""
+def sglang_command(
+    rollout: RolloutConfig, model_path: str, index: int, host: str, base_gpu_id: int = 0, python: str = sys.executable
+) -> list[str]:
+    """The launch command of SGLang engine `index` (port base_port + index), bound to `host`, on the GPUs from
+    `base_gpu_id` on."""
     sg = rollout.sglang
     if sg.dp > 1 and "--enable-dp-attention" not in sg.extra_args:
         raise ValueError(f"rollout.sglang.dp={sg.dp}: SGLang refuses weight-update groups for data-parallel replicas "
                          "without DP attention; run one engine per replica (rollout.sglang.dp=1, more "
                          "rollout.num_engines) or add --enable-dp-attention to rollout.sglang.extra_args")  # fmt: skip
-    gpus = sg.tp * sg.dp
-    if gpus > sg.gpus_per_node:
-        raise ValueError(f"tp*dp={gpus} GPUs per engine exceeds rollout.sglang.gpus_per_node={sg.gpus_per_node}")
-    per_node = sg.gpus_per_node // gpus
     cmd = [python, "-m", "sglang.launch_server", "--model-path", model_path]
-    cmd += ["--host", rollout.host, "--port", str(rollout.base_port + index)]
+    cmd += ["--host", host, "--port", str(rollout.base_port + index)]
     cmd += ["--tp-size", str(sg.tp), "--dp-size", str(sg.dp), "--ep-size", str(sg.ep)]
     cmd += ["--mem-fraction-static", str(sg.mem_fraction_static)]
-    cmd += ["--weight-version", sg.weight_version, "--base-gpu-id", str((index % per_node) * gpus)]
+    cmd += ["--weight-version", sg.weight_version, "--base-gpu-id", str(base_gpu_id)]
     if sg.skip_tokenizer_init:
         cmd.append("--skip-tokenizer-init")
     return cmd + list(sg.extra_args)
 
 
-def embedded_command(rollout: RolloutConfig, model_path: str, index: int, python: str = sys.executable) -> list[str]:
-    """The launch command of embedded CPU engine `index`."""
+def embedded_command(
+    rollout: RolloutConfig, model_path: str, index: int, host: str, python: str = sys.executable
+) -> list[str]:
+    """The launch command of embedded CPU engine `index` (port base_port + index), bound to `host`."""
     em = rollout.embedded
     cmd = [python, "-m", "megatron_sao", "engine", "--model", model_path]
-    cmd += ["--host", rollout.host, "--port", str(rollout.base_port + index)]
+    cmd += ["--host", host, "--port", str(rollout.base_port + index)]
     cmd += ["--max-running-requests", str(em.max_running_requests), "--dtype", em.dtype]
     cmd += ["--weight-version", rollout.sglang.weight_version]
     if em.threads:
@@ -56,13 +57,39 @@ def embedded_command(rollout: RolloutConfig, model_path: str, index: int, python
     return cmd
 
 
-def engine_commands(rollout: RolloutConfig, model_path: str) -> list[tuple[str, list[str]]]:
-    """(url, command) of every engine to launch; empty when rollout.engine_urls names running engines."""
+def engines_per_node(rollout: RolloutConfig, gpus_per_node: int) -> int | None:
+    """How many SGLang engines fit on one node (None: embedded engines, which take no GPU); ValueError naming the
+    fields when not even one does."""
+    if rollout.engine != "sglang":
+        return None
+    gpus = rollout.sglang.gpus
+    if gpus > gpus_per_node:
+        raise ValueError(f"rollout.sglang.tp x dp = {gpus} GPUs per engine exceeds launch.gpus_per_node="
+                         f"{gpus_per_node}: lower rollout.sglang.tp (SGLang's TP stays within a node) or fix "
+                         "launch.gpus_per_node")  # fmt: skip
+    return gpus_per_node // gpus
+
+
+def engine_command(
+    rollout: RolloutConfig, model_path: str, index: int, host: str, slot: int = 0, python: str = sys.executable
+) -> list[str]:
+    """Engine `index`'s command; `slot`: its place among the engines of its node (which GPUs an SGLang engine
+    takes)."""
+    if rollout.engine == "sglang":
+        return sglang_command(rollout, model_path, index, host, slot * rollout.sglang.gpus, python)
+    return embedded_command(rollout, model_path, index, host, python)
+
+
+def engine_commands(rollout: RolloutConfig, model_path: str, gpus_per_node: int) -> list[tuple[str, list[str]]]:
+    """(url, command) of every engine to launch on this machine (rollout.host; launch.mode=local, where engines that
+    do not fit on one node's GPUs wrap round as on the next node); empty when rollout.engine_urls names running
+    engines."""
     if rollout.engine_urls:
         return []
-    build = sglang_command if rollout.engine == "sglang" else embedded_command
+    per_node = engines_per_node(rollout, gpus_per_node) or rollout.num_engines
+    host = rollout.host
     return [
-        (f"http://{rollout.host}:{rollout.base_port + i}", build(rollout, model_path, i))
+        (f"http://{host}:{rollout.base_port + i}", engine_command(rollout, model_path, i, host, i % per_node))
         for i in range(rollout.num_engines)
     ]
 

@@ -364,9 +364,14 @@ class RolloutWorker:
 
 
 def worker_from_config(
-    cfg: SAOConfig, sink: TrajectorySink, engine_urls: list[str], worker_id: str = "rollout-0"
+    cfg: SAOConfig,
+    sink: TrajectorySink,
+    engine_urls: list[str],
+    worker_id: str = "rollout-0",
+    shard: tuple[int, int] = (0, 1),
 ) -> RolloutWorker:
-    """A worker wired from the config tree: env + prompts (rollout.env), tokenizer (model.hf_path), router over
+    """A worker wired from the config tree: env + prompts (rollout.env; `shard` (i, n): every n-th prompt from the
+    i-th, so n workers never share a prompt), tokenizer (model.hf_path), router over
     `engine_urls`, sampling / limits (rollout.*), G per prompt (algo.rollouts_per_prompt), cursor state file
     (rollout.cursor_state, else <run_dir>/rollout_cursor.json for rollout-0 and rollout_cursor_<id>.json for others)."""
     from transformers import AutoTokenizer
@@ -381,6 +386,12 @@ def worker_from_config(
         raise ValueError("model.hf_path is not set: the rollout worker needs the model's tokenizer and chat template")
     env = make_env(r.env.name, r.env.options)
     records = read_jsonl(r.env.prompts) if r.env.prompts else env.make_prompts(10_000)
+    index, count = shard
+    if not 0 <= index < count:
+        raise ValueError(f"prompt shard {index}/{count}: the index must be in 0..{count - 1}")
+    records = records[index::count]
+    if not records:
+        raise ValueError(f"prompt shard {index}/{count} is empty: {count} workers for fewer prompts; run fewer workers")
     clients = [SGLangClient(u, timeout_s=r.request_timeout_s, retry=RetryPolicy(r.max_retries)) for u in engine_urls]
     router = EngineRouter(clients)
     sampling = {"temperature": r.sampling.temperature, "top_p": r.sampling.top_p, "top_k": r.sampling.top_k,

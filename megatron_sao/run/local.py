@@ -36,8 +36,8 @@ def _child_env() -> dict[str, str]:
 def run_local(cfg: SAOConfig, config_path: str, overrides: list[str]) -> dict[str, Any]:
     """Start engines and a rollout worker, train, stop everything; returns the learner's summary."""
     if cfg.launch.mode != "local":
-        raise ValueError(f"launch.mode={cfg.launch.mode!r}: `run` starts everything on this machine (launch.mode="
-                         "local); on a cluster start `learn` and `rollout` per node as docs/run.md shows")  # fmt: skip
+        raise ValueError(f"launch.mode={cfg.launch.mode!r}: run_local starts everything on this machine; "
+                         "launch.mode=slurm goes through launch/slurm.py")  # fmt: skip
     if not cfg.model.hf_path or not Path(cfg.model.hf_path).is_dir():
         raise ValueError(f"model.hf_path={cfg.model.hf_path!r} is not a directory: point it at an HF model (for the "
                          "tiny example: python tools/make_tiny_model.py --family qwen3_moe --out <dir>)")  # fmt: skip
@@ -48,7 +48,7 @@ def run_local(cfg: SAOConfig, config_path: str, overrides: list[str]) -> dict[st
     workers: list[subprocess.Popen[bytes]] = []
     supervisor: Supervisor | None = None
     try:
-        commands = engines.engine_commands(cfg.rollout, cfg.model.hf_path)
+        commands = engines.engine_commands(cfg.rollout, cfg.model.hf_path, cfg.launch.gpus_per_node)
         urls = list(cfg.rollout.engine_urls) or [url for url, _ in commands]
         if commands:
             print(f"[run] starting {len(commands)} {cfg.rollout.engine} engine(s): {', '.join(urls)}", flush=True)
@@ -64,7 +64,7 @@ def run_local(cfg: SAOConfig, config_path: str, overrides: list[str]) -> dict[st
             start_worker()
             print(f"[run] rollout worker started (log: {logs / 'rollout.log'}); training", flush=True)
 
-        supervisor = Supervisor(procs, dict(commands), workers, start_worker, logs)
+        supervisor = Supervisor(procs, dict(commands), workers, start_worker, logs, cfg.launch.max_restarts)
         supervisor.start()
         if cfg.launch.learner_world_size > 1:
             first_worker()  # torchrun's ranks resume and push on their own; tokens before that are just stale
@@ -88,13 +88,12 @@ def run_local(cfg: SAOConfig, config_path: str, overrides: list[str]) -> dict[st
 
 
 class Supervisor(threading.Thread):
-    """Restarts an engine or the rollout worker that exits while the learner trains (up to MAX_RESTARTS each).
+    """Restarts an engine or the rollout worker that exits while the learner trains (launch.max_restarts each).
 
     A restarted engine comes back with its initial weights; the learner's next weight push sees it healthy again
     and forms the update group anew with it (weight_sync/broadcaster.py), and what it generates before that is
     stale and gated like any other stale trajectory. A restarted worker resumes from its prompt cursor."""
 
-    MAX_RESTARTS = 5
     POLL_S = 2.0
 
     def __init__(
@@ -104,8 +103,10 @@ class Supervisor(threading.Thread):
         workers: list[subprocess.Popen[bytes]],
         start_worker: Callable[[], None],
         logs: Path,
+        max_restarts: int,
     ) -> None:
         super().__init__(name="sao-run-supervisor", daemon=True)
+        self.max_restarts = max_restarts
         self.procs, self.commands, self.workers = procs, commands, workers
         self.start_worker, self.logs = start_worker, logs
         self.stop = threading.Event()
@@ -125,15 +126,15 @@ class Supervisor(threading.Thread):
 
     def _may_restart(self, what: str, code: int | None, tail: str) -> bool:
         n = self.restarts.get(what, 0)
-        if n >= self.MAX_RESTARTS:
-            if n == self.MAX_RESTARTS:
+        if n >= self.max_restarts:
+            if n == self.max_restarts:
                 log.error("%s exited (%s) again; not restarting it after %d restarts", what, code, n)
                 self.restarts[what] = n + 1
             return False
         self.restarts[what] = n + 1
         log.error("%s exited with %s; restarting it (%d/%d). Its log ends:\n%s", what, code, n + 1,
-                  self.MAX_RESTARTS, tail)  # fmt: skip
-        print(f"[run] {what} exited with {code}; restarted ({n + 1}/{self.MAX_RESTARTS})", flush=True)
+                  self.max_restarts, tail)  # fmt: skip
+        print(f"[run] {what} exited with {code}; restarted ({n + 1}/{self.max_restarts})", flush=True)
         return True
 
 

@@ -241,10 +241,12 @@ def test_engine_answers_with_sglang_s_own_messages() -> None:
     """The refusals the embedded engine emulates are worded as SGLang words them (trainers match on them)."""
     text = sglang_source.source("srt/managers/scheduler_components/weight_updater.py")
     flat = " ".join(text.split())
-    for message in ("must run between \" \"begin_weight_update() and end_weight_update()",
-                    "a weight-update session is already open; \" \"call end_weight_update() first",
-                    "no weight-update session is open; call begin_weight_update() first",
-                    "Weights were updated, but the cache was not flushed because \" \"requests are still running"):
+    for message in (
+        'must run between " "begin_weight_update() and end_weight_update()',
+        'a weight-update session is already open; " "call end_weight_update() first',
+        "no weight-update session is open; call begin_weight_update() first",
+        'Weights were updated, but the cache was not flushed because " "requests are still running',
+    ):
         assert message in flat, message
     model_runner = sglang_source.source("srt/model_executor/model_runner_components/weight_updater.py")
     assert "Please discard the whole weights." in model_runner and 'load_format == "flattened_bucket"' in model_runner

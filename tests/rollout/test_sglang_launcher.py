@@ -40,10 +40,10 @@ def _flags(cmd: list[str]) -> dict[str, str | None]:
 
 def test_sglang_command_uses_sglang_flag_names_and_config_values() -> None:
     rc = RolloutConfig(engine="sglang", num_engines=3, base_port=31000, host="10.0.0.5")
-    rc.sglang.tp, rc.sglang.ep, rc.sglang.gpus_per_node = 4, 4, 8
+    rc.sglang.tp, rc.sglang.ep = 4, 4
     rc.sglang.skip_tokenizer_init = True
     rc.sglang.extra_args = ["--disable-radix-cache"]
-    cmds = engine_commands(rc, "/models/qwen3")
+    cmds = engine_commands(rc, "/models/qwen3", gpus_per_node=8)
     assert [u for u, _ in cmds] == [f"http://10.0.0.5:{31000 + i}" for i in range(3)]
     cmd = cmds[1][1]
     assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"] and cmd[-1] == "--disable-radix-cache"
@@ -53,22 +53,22 @@ def test_sglang_command_uses_sglang_flag_names_and_config_values() -> None:
     assert flags["--ep-size"] == "4" and flags["--mem-fraction-static"] == "0.85" and flags["--weight-version"] == "0"
     assert [_flags(c[:-1])["--base-gpu-id"] for _, c in cmds] == ["0", "4", "0"]  # two engines per 8-GPU node
     rc.sglang.tp = 16
-    with pytest.raises(ValueError, match="gpus_per_node"):
-        sglang_command(rc, "/m", 0)
+    with pytest.raises(ValueError, match="launch.gpus_per_node=8"):
+        engine_commands(rc, "/m", gpus_per_node=8)
     rc.sglang.tp, rc.sglang.dp = 2, 2  # SGLang asserts dp_size == 1 for weight-update groups, unless DP attention
     with pytest.raises(ValueError, match="rollout.sglang.dp=2.*enable-dp-attention"):
-        sglang_command(rc, "/m", 0)
+        sglang_command(rc, "/m", 0, "0.0.0.0")
     rc.sglang.extra_args = ["--enable-dp-attention"]
-    assert _flags(sglang_command(rc, "/m", 0)[:-1])["--dp-size"] == "2"
+    assert _flags(sglang_command(rc, "/m", 0, "0.0.0.0")[:-1])["--dp-size"] == "2"
 
 
 def test_embedded_command_and_running_engines_need_no_launch() -> None:
     rc = RolloutConfig(num_engines=2)
     rc.embedded.threads = 1
-    cmd = embedded_command(rc, "/m", 1)
+    cmd = embedded_command(rc, "/m", 1, "127.0.0.1")
     assert cmd[1:4] == ["-m", "megatron_sao", "engine"] and cmd[cmd.index("--port") + 1] == "30001"
     assert cmd[cmd.index("--threads") + 1] == "1"
-    assert engine_commands(RolloutConfig(engine_urls=["http://127.0.0.1:1"]), "/m") == []
+    assert engine_commands(RolloutConfig(engine_urls=["http://127.0.0.1:1"]), "/m", 8) == []
 
 
 def test_health_wait_reports_an_exited_engine_with_its_log(tmp_path: Path) -> None:
@@ -95,7 +95,7 @@ def test_launched_embedded_engine_becomes_healthy(tiny_dirs: dict[str, Path], tm
 
     rc = RolloutConfig(base_port=find_free_port())
     rc.embedded.threads = 1
-    procs = launch(engine_commands(rc, str(tiny_dirs["qwen3_moe_notok"])), tmp_path)
+    procs = launch(engine_commands(rc, str(tiny_dirs["qwen3_moe_notok"]), 8), tmp_path)
     try:
         wait_healthy(procs, timeout_s=120)
         info = SGLangClient(procs[0].url).model_info()

@@ -288,7 +288,7 @@ def test_group_arms_generate_batches_in_lockstep_with_the_weights(tmp_path: Path
     want = [[k] for k in range(batches)] if lag == 0 else [[0], [0], [1], [2]]
     assert ledger == want
     for i in range(0, len(sink.items), 2):  # every group whole and contiguous
-        pair = sink.items[i:i + 2]
+        pair = sink.items[i : i + 2]
         assert pair[0].header.prompt_id == pair[1].header.prompt_id
         assert [t.header.sample_index for t in pair] == [0, 1]
 

@@ -64,7 +64,9 @@ def test_each_arm_runs_end_to_end_with_its_version_ledger(tiny_hf_dir: Any, tmp_
     max_steps = int(ARMS[arm][ARMS[arm].index("--learner.max_steps") + 1])
     assert [r["version"] for r in steps] == list(range(1, max_steps + 1))
     ledger = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
-    assert [t["step_version"] for t in ledger] == [r["version"] for r in steps for _ in range(int(r["step/trajectories"]))]
+    assert [t["step_version"] for t in ledger] == [
+        r["version"] for r in steps for _ in range(int(r["step/trajectories"]))
+    ]
     assert all(t["started_at"] <= t["finished_at"] <= t["trained_at"] and t["turns"] >= 1 for t in ledger)
     if arm == "sao_n1":
         assert all(r["step/trajectories"] == 1 and "value/v_loss" in r for r in steps)

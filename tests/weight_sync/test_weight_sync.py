@@ -151,6 +151,7 @@ def _push_with_fault(hf_dir: str, url: str, port: int, fault: str, at: str) -> d
             time.sleep(0.05)
             os._exit(17)  # the trainer dies with the bucket announced and partly sent
         if bucket.index == target and fault == "refuse":
+
             def bad(c: Any, names: list, *a: Any, **k: Any) -> Any:  # a tensor the engine's model does not have
                 return real_update(c, ["model.no_such.weight", *names[1:]], *a, **k)
 

@@ -1,0 +1,82 @@
+"""The srun steps of a run (launch.mode=slurm): one per engine, one per rollout worker, one for the learner (torchrun
+on every learner node), each the same `python -m megatron_sao ...` command local mode runs, plus the addresses the
+node map wires in as ordinary config overrides. Nothing Slurm-specific reaches a role but where it runs."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_sao.config.tree import SAOConfig
+from megatron_sao.launch.nodemap import NodeMap
+from megatron_sao.rollout.sglang_launcher import engine_command
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str  # engine-0, learner, rollout-0: its log is <run_dir>/logs/<name>.log
+    role: str  # engine | learner | worker
+    nodes: tuple[str, ...]
+    command: tuple[str, ...]  # what runs on each node
+    env: dict[str, str] = field(default_factory=dict)  # set on top of the allocation's environment
+    url: str | None = None  # an engine's
+
+    def srun(self, srun_args: list[str]) -> list[str]:
+        """The srun command line of this step. --overlap: steps share the allocation's CPUs and GPUs (an SGLang
+        engine picks its GPUs by --base-gpu-id); one task per node (--ntasks too: the batch script's SLURM_NTASKS
+        would otherwise ask for one task per node of the job)."""
+        return ["srun", "--overlap", f"--nodes={len(self.nodes)}", f"--ntasks={len(self.nodes)}", "--ntasks-per-node=1",
+                f"--nodelist={','.join(self.nodes)}", f"--job-name={self.name}", "--kill-on-bad-exit=1",
+                *srun_args, *self.command]  # fmt: skip
+
+
+def step_env() -> dict[str, str]:
+    """What every step adds to the allocation's environment: the project on PYTHONPATH, unbuffered output."""
+    return {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+
+
+def build_steps(
+    cfg: SAOConfig, config_path: str, overrides: list[str], nodes: NodeMap, python: str = sys.executable
+) -> list[Step]:
+    """Every step of the run on `nodes`: engines first, then the learner, then the rollout workers."""
+    la, r = cfg.launch, cfg.rollout
+    model = cfg.model.hf_path or ""
+    urls = ",".join(nodes.engine_urls)
+    steps = [
+        Step(
+            f"engine-{e.index}",
+            "engine",
+            (e.node.name,),
+            tuple(engine_command(r, model, e.index, e.node.addr, e.slot, python)),
+            step_env(),
+            e.url,
+        )  # fmt: skip
+        for e in nodes.engines
+    ]
+    rdzv_host, rdzv_port = nodes.rdzv.rsplit(":", 1)
+    torchrun = [
+        "bash", "-c", 'exec "$0" -m torch.distributed.run --node-rank="$SLURM_NODEID" "$@"', python,
+        f"--nnodes={la.nnodes}", f"--nproc-per-node={la.nproc_per_node}", f"--master-addr={rdzv_host}",
+        f"--master-port={rdzv_port}", "-m", "megatron_sao", "learn", config_path, "--engines", urls, *overrides,
+        "--bus.bind", nodes.bus_bind,
+    ]  # fmt: skip
+    steps.append(Step("learner", "learner", tuple(n.name for n in nodes.learner), tuple(torchrun), step_env()))
+    for w in nodes.workers:
+        cmd = [python, "-m", "megatron_sao", "rollout", config_path, "--engines", urls, "--worker-id", w.worker_id,
+               "--shard", f"{w.shard[0]}/{w.shard[1]}", *overrides, "--bus.connect", nodes.bus_connect]  # fmt: skip
+        steps.append(Step(w.worker_id, "worker", (w.node.name,), tuple(cmd), step_env()))
+    return steps
+
+
+def describe(nodes: NodeMap, steps: list[Step], srun_args: list[str]) -> str:
+    """The node map and every step's srun command with its environment (the dry run's output)."""
+    lines = ["node map:", nodes.table(), "", f"bus: learner binds {nodes.bus_bind}, workers connect to "
+             f"{nodes.bus_connect}; torchrun rendezvous {nodes.rdzv}", ""]  # fmt: skip
+    for step in steps:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in step.env.items())
+        lines.append(f"[{step.name}] env {env} \\\n    {shlex.join(step.srun(srun_args))}")
+    return "\n".join(lines)

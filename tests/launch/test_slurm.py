@@ -1,0 +1,109 @@
+"""The Slurm path for real, on a local cluster of three slurmd nodes (tests/launch/slurm_cluster.py):
+`./launch.sh submit` of the tiny example puts the learner (torchrun, 2 ranks) on n1, the engine on n2 and the rollout
+worker on n3; the job completes, the learner reaches its steps and pushed its weights to the engine on the other
+node. Then `scancel` mid-run: the learner checkpoints on the way out and a resubmission resumes from it."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from megatron_sao.models.tiny import make_tiny_model
+from tests.launch.slurm_cluster import SlurmUnavailable, _free_ports, local_cluster
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.multiproc
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    try:
+        with local_cluster(tmp_path_factory.mktemp("slurm")) as env:
+            yield env
+    except SlurmUnavailable as e:
+        pytest.skip(f"no local Slurm cluster: {e}")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(make_tiny_model("qwen3_moe", tmp_path_factory.mktemp("model"), seed=1))
+
+
+def _args(model: Path, run_dir: Path, max_steps: int) -> list[str]:
+    bus, sync, engine, rdzv = _free_ports(4)
+    return ["--launch.mode", "slurm", "--launch.nproc_per_node", "2", "--launch.rollout_nodes", "1",
+            "--launch.worker_nodes", "1", "--launch.gpus_per_node", "0", "--model.hf_path", str(model),
+            "--launch.run_dir", str(run_dir), "--learner.max_steps", str(max_steps), "--learner.save_interval", "1000",
+            "--rollout.embedded.threads", "1", "--bus.bind", f"tcp://127.0.0.1:{bus}", "--weight_sync.master_port",
+            str(sync), "--rollout.base_port", str(engine), "--launch.rdzv_port", str(rdzv)]  # fmt: skip
+
+
+def _submit(env: dict[str, str], args: list[str], wait: bool) -> tuple[int, int, str]:
+    cmd = ["./launch.sh", "submit", "examples/tiny_cpu/config.yaml", *args, *(["--wait"] if wait else [])]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    match = re.search(r"\[submit\] job (\d+)", done.stdout)
+    assert match, done.stdout + done.stderr
+    return int(match.group(1)), done.returncode, done.stdout + done.stderr
+
+
+def _output(run_dir: Path, job: int) -> str:
+    return (run_dir / "logs" / f"slurm-{job}.out").read_text(errors="replace")
+
+
+def _steps(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return [r for r in records if "step/trajectories" in r]
+
+
+def test_submit_runs_every_role_on_its_own_node(cluster: dict[str, str], model: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    job, code, said = _submit(cluster, _args(model, run_dir, 3), wait=True)
+    out = _output(run_dir, job)
+    assert code == 0, said + out[-4000:]
+    assert re.search(r"n1 +127\.0\.0\.1 +learner\n +n2 +127\.0\.0\.1 +engine-0\n +n3 +127\.0\.0\.1 +rollout-0", out)
+    assert "learner on 1 node(s) x 2 rank(s)" in out and "[launch] the learner finished" in out
+    steps = _steps(run_dir)
+    assert [r["version"] for r in steps] == [1, 2, 3]
+    for r in steps:  # every step's weights reached the engine on n2, checksums verified
+        assert r["sync/version"] == r["version"] and r["sync/failed"] == 0 and r["sync/engines"] == 1
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter_0000003"
+    ledger = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
+    assert {t["worker"] for t in ledger} == {"rollout-0"} and len(ledger) == 3 * 8
+    for name in ("engine-0", "learner", "rollout-0"):
+        assert (run_dir / "logs" / f"{name}.log").stat().st_size > 0
+
+
+def test_scancel_checkpoints_and_a_resubmission_resumes(cluster: dict[str, str], model: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = _args(model, run_dir, 400)
+    job, code, said = _submit(cluster, args, wait=False)
+    assert code == 0, said
+    deadline = time.monotonic() + 240
+    while len(_steps(run_dir)) < 3:
+        assert time.monotonic() < deadline, _output(run_dir, job)[-4000:]
+        time.sleep(0.5)
+    subprocess.run(["scancel", str(job)], env=cluster, check=True)
+    while subprocess.run(["squeue", "-h", "-j", str(job)], env=cluster, capture_output=True, text=True).stdout.strip():
+        assert time.monotonic() < deadline + 120, "the job did not end after scancel"
+        time.sleep(0.5)
+    out = _output(run_dir, job)
+    last = _steps(run_dir)[-1]["version"]
+    assert "stopped by SIGTERM" in out, out[-4000:]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"iter_{last:07d}"  # saved on the way out
+    assert last < 400
+    resumed_to = last + 2
+    args[args.index("--learner.max_steps") + 1] = str(resumed_to)
+    job2, code, said = _submit(cluster, args, wait=True)
+    out2 = _output(run_dir, job2)
+    assert code == 0, said + out2[-4000:]
+    assert f"resumed from {run_dir / 'checkpoints'} at version {last}" in out2
+    assert f"waiting for the learner to push version {last}" in out2
+    assert [r["version"] for r in _steps(run_dir)][-3:] == [last, last + 1, last + 2]

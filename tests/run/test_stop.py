@@ -1,0 +1,50 @@
+"""Stopping a local run: SIGTERM to `run` (what a supervisor or Ctrl-C sends) and a stop request (<run_dir>/STOP,
+what the Slurm launcher writes) both end the step in progress, checkpoint at the version reached, stop the engine
+and the rollout worker, and exit 143; the request file is consumed, and running again resumes from the checkpoint."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.run.test_arms import REPO, _cmd, _env
+
+
+def _steps(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [r for r in map(json.loads, lines) if "step/trajectories" in r]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("how", ["sigterm", "stop_file"])
+def test_a_stopped_run_checkpoints_and_resumes(tiny_hf_dir: Any, tmp_path: Path, how: str) -> None:
+    run_dir = tmp_path / "run"
+    cmd = _cmd(tiny_hf_dir("qwen3_moe"), run_dir, "--learner.max_steps", "500")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
+    deadline = time.monotonic() + 300
+    while len(_steps(run_dir)) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-3000:]  # type: ignore[union-attr]
+        time.sleep(0.2)
+    if how == "sigterm":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        (run_dir / "STOP").write_text("test\n")
+    out = proc.communicate(timeout=120)[0].decode()
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    last = _steps(run_dir)[-1]["version"]
+    assert f"stopped by SIGTERM at version {last}" in out and "Traceback" not in out, out[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"iter_{last:07d}"
+    assert not (run_dir / "STOP").exists()
+    for name in ("engine_0", "rollout"):  # the children were stopped on the way out
+        assert (run_dir / "logs" / f"{name}.log").is_file()
+    again = subprocess.run([*cmd[:-1], str(last + 1)], cwd=REPO, capture_output=True, text=True, timeout=300,
+                           env=_env())  # fmt: skip
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert [r["version"] for r in _steps(run_dir)][-2:] == [last, last + 1]
