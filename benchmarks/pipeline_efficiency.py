@@ -118,11 +118,12 @@ def _arm(arm: str, warm: Path, work: Path, args: argparse.Namespace) -> dict[str
 def _measure(arm: str, run_dir: Path, busy0: dict[str, Any], busy1: dict[str, Any]) -> dict[str, Any]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "step/trajectories" in r]
-    ledger = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
+    ledger = [t for t in map(json.loads, (run_dir / "trajectories.jsonl").read_text().splitlines()) if "id" in t]
     start = min(t["started_at"] for t in ledger)
     end = steps[-1]["time"]
     window = end - start
-    learner_busy = sum(r.get("time/train", 0.0) + r.get("time/sync", 0.0) for r in steps)
+    busy = ("time/critic", "time/policy", "time/sync", "time/checkpoint")
+    learner_busy = sum(r.get(k, 0.0) for r in steps for k in busy)
     engine_busy = busy1["busy_s"] - busy0["busy_s"]
     latencies = [t["finished_at"] - t["started_at"] for t in ledger]
     return {
@@ -140,7 +141,7 @@ def _measure(arm: str, run_dir: Path, busy0: dict[str, Any], busy1: dict[str, An
         "turns_mean": statistics.fmean(t["turns"] for t in ledger),
         "episode_s_median": statistics.median(latencies),
         "episode_s_p90": sorted(latencies)[int(0.9 * (len(latencies) - 1))],
-        "train_s_mean": statistics.fmean(r.get("time/train", 0.0) for r in steps),
+        "train_s_mean": statistics.fmean(r.get("time/critic", 0.0) + r.get("time/policy", 0.0) for r in steps),
         "sync_s_mean": statistics.fmean(r.get("time/sync", 0.0) for r in steps),
         "per_trajectory": ledger,
     }

@@ -9,6 +9,8 @@ run CONFIG [--section.key VALUE ...]         the whole run: on this machine (lau
                                              an srun step inside a Slurm allocation (launch.mode=slurm; --dry-run
                                              prints the node map and every command)
 submit CONFIG [...] [--dry-run] [--wait]     write <run_dir>/slurm.sbatch for a launch.mode=slurm run and sbatch it
+plot RUN_DIR [RUN_DIR ...] [--out DIR]       PNGs of runs' metrics (reward, masked fraction, staleness, losses, ...)
+ledger RUN_DIR                               check that every trajectory was trained once, dropped, or is pending
 learn CONFIG --engines URLS [...]            the learner loop (every rank; under torchrun / srun on clusters)
 rollout CONFIG --engines URLS [...]          one rollout worker pushing trajectories onto the bus
 """
@@ -17,9 +19,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {}
@@ -141,11 +143,17 @@ def _run(ns: argparse.Namespace, rest: list[str]) -> int:
     except (ValueError, EngineStartError) as e:  # a setting to fix (named in the message) or an engine that failed
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from megatron_sao.run.plot import plot_runs
     from megatron_sao.run.summary import describe, summarize
 
     print(f"[run] done: {summary}", flush=True)
-    print(describe(summarize(cfg.launch.run_dir)), flush=True)
-    return 128 + int(signal.Signals[summary["stopped"]]) if summary.get("stopped") else 0
+    run_dir = Path(cfg.launch.run_dir)
+    done = summarize(run_dir)
+    if done.get("policy_steps"):
+        (plot,) = plot_runs([run_dir], run_dir, figures=["reward"])
+        print(f"[run] reward plot: {plot}", flush=True)
+    print(describe(done), flush=True)
+    return 0  # also after a clean stop (SIGTERM / STOP): the learner checkpointed and the children were stopped
 
 
 @command("submit")
@@ -194,7 +202,7 @@ def _learn(ns: argparse.Namespace, rest: list[str]) -> int:
     summary = learn(cfg, urls)
     if os.environ.get("RANK", "0") == "0":
         print(f"[learner] done: {summary}", flush=True)
-    return 128 + int(signal.Signals[summary["stopped"]]) if summary["stopped"] else 0
+    return 0  # also after a clean stop (SIGTERM / STOP): it checkpointed; the log says "stopped by"
 
 
 @command("rollout")
@@ -202,6 +210,44 @@ def _rollout(ns: argparse.Namespace, rest: list[str]) -> int:
     from megatron_sao.rollout.cli import main as rollout_main
 
     return rollout_main(rest)
+
+
+@command("ledger")
+def _ledger(ns: argparse.Namespace, rest: list[str]) -> int:
+    from megatron_sao.run.ledger import check_ledger
+
+    p = argparse.ArgumentParser(prog="python -m megatron_sao ledger", description="check a run's trajectory ledger")
+    p.add_argument("run_dir", help="the run directory (launch.run_dir)")
+    p.add_argument("--spool-dir", default=None, help="bus.spool_dir when not <run_dir>/spool")
+    p.add_argument("--stale-log", default=None, help="the bus's stale.jsonl when not <run_dir>/stale.jsonl")
+    args = p.parse_args(rest)
+    if not (Path(args.run_dir) / "trajectories.jsonl").is_file():
+        print(f"error: {args.run_dir}/trajectories.jsonl does not exist: is it a run directory?", file=sys.stderr)
+        return 2
+    report = check_ledger(args.run_dir, args.spool_dir, args.stale_log)
+    print(report.describe())
+    return 0 if report.ok else 1
+
+
+@command("plot")
+def _plot(ns: argparse.Namespace, rest: list[str]) -> int:
+    from megatron_sao.run.plot import FIGURES, plot_runs
+
+    p = argparse.ArgumentParser(prog="python -m megatron_sao plot", description="PNGs of runs' metrics.jsonl")
+    p.add_argument("run_dirs", nargs="+", help="run directories (launch.run_dir); several are overlaid")
+    p.add_argument("--out", default=None, help="where the PNGs go (default: <first run_dir>/plots)")
+    p.add_argument("--labels", default=None, help="comma-separated, one per run (default: directory names)")
+    p.add_argument("--figures", default=",".join(FIGURES), help=f"which of {', '.join(FIGURES)}")
+    args = p.parse_args(rest)
+    try:
+        written = plot_runs(args.run_dirs, args.out or Path(args.run_dirs[0]) / "plots",
+                            args.labels.split(",") if args.labels else None, args.figures.split(","))  # fmt: skip
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

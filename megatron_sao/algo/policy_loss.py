@@ -43,7 +43,7 @@ def dis_policy_loss(
     Returns:
         (loss, metrics): loss is a 0-dim float32 tensor (float64 for float64 logprobs), 0 when there are no
         action tokens. metrics: dis/masked_frac, dis/masked_low_frac, dis/masked_high_frac, dis/ratio_mean,
-        dis/ratio_max, dis/mismatch_kl (k3 estimate of KL(rollout || learner)), dis/pg_loss,
+        dis/ratio_max, dis/mismatch_kl (k3 estimate of KL(rollout || learner)), loss/policy,
         dis/num_action_tokens.
     """
     if not 0.0 <= eps_low <= 1.0 or not eps_high > 0.0:
@@ -62,7 +62,7 @@ def dis_policy_loss(
     ratio = torch.exp(torch.where(in_band, logratio, 0.0))
     pg_loss = -torch.where(in_band, ratio * advantages, 0.0).sum() / norm
     metrics = {
-        "dis/pg_loss": pg_loss.detach(),
+        "loss/policy": pg_loss.detach(),
         "dis/masked_frac": masked_mean((below | above).to(ratio.dtype), action_mask),
         "dis/masked_low_frac": masked_mean(below.to(ratio.dtype), action_mask),
         "dis/masked_high_frac": masked_mean(above.to(ratio.dtype), action_mask),
@@ -94,7 +94,7 @@ def ppo_clip_policy_loss(
         num_action_tokens: N, as in dis_policy_loss.
 
     Returns:
-        (loss, metrics): loss 0-dim float32; metrics ppo/pg_loss, ppo/clipfrac (fraction of action tokens
+        (loss, metrics): loss 0-dim float32; metrics loss/policy, ppo/clipfrac (fraction of action tokens
         whose ratio is outside the clip range), ppo/approx_kl (k3), ppo/ratio_mean, ppo/ratio_max,
         ppo/num_action_tokens.
     """
@@ -112,7 +112,7 @@ def ppo_clip_policy_loss(
     with torch.no_grad():
         clipped = ((ratio < 1.0 - clip_eps) | (ratio > 1.0 + eps_high)).to(ratio.dtype)
     metrics = {
-        "ppo/pg_loss": pg_loss.detach(),
+        "loss/policy": pg_loss.detach(),
         "ppo/clipfrac": masked_mean(clipped, action_mask),
         **_ratio_metrics("ppo", ratio.detach(), logratio.detach(), action_mask, count),
     }

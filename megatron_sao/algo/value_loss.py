@@ -43,7 +43,7 @@ def value_loss(
 
     Returns:
         (loss, metrics): loss 0-dim float32 (float64 for float64 values), 0 without action tokens. metrics
-        (detached 0-dim): value/v_loss, value/clipfrac (fraction of action tokens where the clipped term is
+        (detached 0-dim): loss/value, value/clipfrac (fraction of action tokens where the clipped term is
         strictly the larger one, i.e. the clip removed their gradient), value/explained_variance,
         value/vpred_mean, value/returns_mean, value/num_action_tokens.
     """
@@ -67,7 +67,7 @@ def value_loss(
     v_loss = 0.5 * torch.where(action_mask, v_loss_max, 0.0).sum() / norm
     with torch.no_grad():
         metrics = {
-            "value/v_loss": v_loss.detach(),
+            "loss/value": v_loss.detach(),
             "value/clipfrac": masked_mean(clipped.to(dtype), action_mask),
             "value/explained_variance": explained_variance(newvalue.detach(), returns, action_mask),
             "value/vpred_mean": masked_mean(newvalue, action_mask),

@@ -54,7 +54,10 @@ class BusConfig(Section):
     the producer as errors); send() always checks ids, dtypes, lengths, turn ranges and size limits."""
 
     spool_dir: str | None = None
-    """Producer-side directory keeping uncommitted trajectories across producer restarts (one subdir per worker)."""
+    """Producer-side directory keeping uncommitted trajectories across producer restarts (one subdir per worker), so
+    a trajectory sent but not yet in a learner checkpoint survives a crash and a clean finish alike (it is resent to
+    the next run, exactly once as training sees it). Left unset in a run's config: <launch.run_dir>/spool; null: no
+    spool (what is not committed when a worker stops is lost, and counted)."""
 
     spool_fsync: bool = False
     """fsync each spool file: survives machine crashes, not only process crashes (slower)."""
@@ -83,7 +86,8 @@ class BusConfig(Section):
     """What to do with trajectories over max_staleness (both are counted and recorded by id)."""
 
     stale_log_dir: str | None = None
-    """Directory of `stale.jsonl`: one line per trajectory over max_staleness (dropped or kept)."""
+    """Directory of `stale.jsonl`: one line per trajectory over max_staleness (dropped or kept). Left unset in a run's
+    config: <launch.run_dir> (the trajectory ledger's check reads it); null: not written."""
 
     stale_recent_ids: int = Field(default=1024, ge=0)
     """How many recent over-stale trajectory ids the receiver keeps in memory (receiver.stale_ids())."""

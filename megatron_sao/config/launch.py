@@ -84,6 +84,16 @@ class LaunchConfig(Section):
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
+    tensorboard: bool = True
+    """Write every step's metrics as TensorBoard events under <run_dir>/tensorboard (tensorboard --logdir RUN_DIR)."""
+
+    wandb: Literal["online", "offline"] | None = None
+    """Also log to Weights & Biases (wandb must be installed; offline: a local run under <run_dir>/wandb)."""
+
+    display: Literal["auto", "rich", "plain"] = "auto"
+    """The learner's progress: a live view on an interactive terminal (auto: when stdout is a TTY outside CI and
+    Slurm), else one plain line per step."""
+
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
 
     @property

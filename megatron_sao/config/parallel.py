@@ -111,6 +111,15 @@ class ParallelConfig(Section):
             )
         return first, last
 
+    def check_attention_heads(self, heads: int, kv_heads: int | None) -> None:
+        """Tensor parallelism splits attention heads and, for GQA, the key/value heads: both must divide by it."""
+        for name, n in (("attention heads (num_attention_heads)", heads), ("key/value heads (num_key_value_heads)",
+                                                                          kv_heads)):  # fmt: skip
+            if n is not None and n % self.tensor:
+                fits = [d for d in range(1, n + 1) if n % d == 0]
+                raise ValueError(f"parallel.tensor={self.tensor} does not divide the model's {n} {name}; use one of "
+                                 f"{fits}")  # fmt: skip
+
     def check_num_experts(self, num_experts: int) -> None:
         if num_experts % self.expert:
             divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]

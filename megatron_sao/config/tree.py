@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field, model_validator
 
 from megatron_sao.config.algo import AlgoConfig
@@ -29,7 +31,16 @@ class SAOConfig(Section):
 
     @model_validator(mode="after")
     def _check_across_sections(self) -> SAOConfig:
+        if "spool_dir" not in self.bus.model_fields_set:  # unset (an explicit null stays: no spool)
+            self.bus.spool_dir = str(Path(self.launch.run_dir) / "spool")
+        if "stale_log_dir" not in self.bus.model_fields_set:  # the trajectory ledger reads <run_dir>/stale.jsonl
+            self.bus.stale_log_dir = str(self.launch.run_dir)
         self.parallel.check_world_size(self.launch.learner_world_size)
+        hf = self.model.hf_config_dict()
+        if hf is not None and hf.get("num_attention_heads"):
+            mla = "kv_lora_rank" in hf  # multi-latent attention: no key/value head groups to split
+            kv = None if mla else int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
+            self.parallel.check_attention_heads(int(hf["num_attention_heads"]), kv)
         num_experts = self.model.resolved_num_experts()
         if num_experts is not None:
             self.parallel.check_num_experts(num_experts)

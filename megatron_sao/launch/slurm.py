@@ -8,7 +8,8 @@ Every step's output goes to <run_dir>/logs/<step>.log and, prefixed with [step],
 exits unexpectedly is started again (launch.max_restarts per step; the learner resumes from its checkpoint, an
 engine comes back on its launch weights and gets the next push). The run ends when the learner reaches
 learner.max_steps; or on SIGTERM / scancel / a step beyond its budget: the learner is told to checkpoint and
-given launch.stop_timeout_s, then every step is stopped. The exit status says which (0, 128 + signal, 1).
+given launch.stop_timeout_s, then every step is stopped. Exit status 0 when the learner finished or stopped cleanly
+(it checkpointed), 1 when a step failed beyond its budget or the learner did not stop cleanly.
 """
 
 from __future__ import annotations
@@ -139,11 +140,17 @@ class SlurmRun:
         print(f"[launch] job {job}: {len(self.engines)} engine(s), learner on {len(self.node_map.learner)} node(s) "
               f"x {self.cfg.launch.nproc_per_node} rank(s), {len(self.workers)} rollout worker(s); logs in "
               f"{self.logs}\n{self.node_map.table()}", flush=True)  # fmt: skip
+        code = 1
         try:
             self._start()
-            return self._watch()
+            code = self._watch()
         finally:
-            self._stop_all()
+            learner_code = self._stop_all()
+        if self.signum:  # stopped from outside: clean when the learner checkpointed and exited by itself
+            print(f"[launch] stopped by {signal.Signals(self.signum).name}; the learner exited with {learner_code}",
+                  flush=True)  # fmt: skip
+            return 0 if learner_code == 0 else 1
+        return code
 
     def _start(self) -> None:
         self.stop_file.unlink(missing_ok=True)  # a request the last run left
@@ -210,7 +217,7 @@ class SlurmRun:
         limit = self.cfg.launch.max_restarts
         while True:
             if self.signum:
-                return 128 + self.signum
+                return 0
             code = self.learner.exited()
             if code is not None:
                 if code == 0:
@@ -239,9 +246,9 @@ class SlurmRun:
               f"{self.cfg.launch.max_restarts})", flush=True)  # fmt: skip
         r.start()
 
-    def _stop_all(self) -> None:
+    def _stop_all(self) -> int | None:
         """The learner first (a stop request: it checkpoints and exits; SIGTERM, then SIGKILL if it has not within
-        launch.stop_timeout_s), then workers and engines."""
+        launch.stop_timeout_s), then workers and engines; the learner's exit status (None: never started)."""
         if self.learner.exited() is None and self.learner.proc is not None:
             self.stop_file.write_text(f"launcher, job {os.environ.get('SLURM_JOB_ID', '?')}\n")
             if self.learner.wait(self.cfg.launch.stop_timeout_s) is None:
@@ -258,6 +265,7 @@ class SlurmRun:
             if r.wait(max(deadline - time.monotonic(), 0.1)) is None:
                 r.kill()
         print("[launch] every step stopped", flush=True)
+        return self.learner.exited()
 
 
 def run_slurm(cfg: SAOConfig, config_path: str, overrides: list[str]) -> int:

@@ -3,8 +3,9 @@ optimizers, LR schedulers, step counters, RNG states and an opaque `extra` dict 
 cursor, ...). Model weights and optimizer state reshard on load, so a run saved at one TP/EP/PP/DP layout
 resumes at another; at the same layout the resume is bit-exact.
 
-Layout on disk: `<save_dir>/iter_<version:07d>/` (one dist checkpoint) and `<save_dir>/latest` naming the
-newest complete one (written after every rank finished). Model keys are prefixed `policy.` / `value.`.
+Layout on disk: `<save_dir>/iter_<version:07d>/` (one dist checkpoint with `checksums.json`, renamed into place only
+once complete) and `<save_dir>/latest` naming the newest one; loading verifies the files and falls back from a
+damaged `latest` to the newest intact checkpoint (learner/integrity.py). Model keys are prefixed `policy.` / `value.`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_sao.learner.integrity import describe_os_error, partial_dir, verify_checksums, write_checksums
 from megatron_sao.models.checkpoint import (
     HF_SOURCE_KEY,
     POLICY_PREFIX,
@@ -143,27 +147,95 @@ def save_checkpoint(
 
     save_dir = role_dir(learner, save_dir)
     path = save_dir / (tag or f"iter_{learner.version:07d}")
+    partial = partial_dir(path)
     error = None
     if dist.get_rank() == 0:
         try:
-            path.mkdir(parents=True, exist_ok=True)
-            if any(path.iterdir()):
+            save_dir.mkdir(parents=True, exist_ok=True)
+            if path.exists() and any(path.iterdir()):
                 error = f"{path} already holds a checkpoint; remove it or save at another version"
+            else:
+                if path.exists():
+                    path.rmdir()  # an empty directory (older releases made it before saving into it)
+                if partial.exists():
+                    shutil.rmtree(partial)  # a save of this name that was cut (crash, full disk): never a blocker
+                partial.mkdir()
         except OSError as e:
-            error = f"cannot create {path} ({e}); fix learner.save_dir"
+            error = describe_os_error(e, path)
     _raise_on_every_rank(error)
     state = _sharded_state(learner, is_loading=False)
     common = _common_state(learner, extra)
     state[HF_SOURCE_KEY] = common.pop(HF_SOURCE_KEY)  # top level: where tools/convert_megatron_to_hf.py reads it
     state["common"] = common
-    dist_checkpointing.save(state, str(path))
-    dist.barrier()
+    failure = None
+    try:
+        dist_checkpointing.save(state, str(partial))
+    except OSError as e:
+        failure = describe_os_error(e, path)
+    failures = [f for f in _all_gather(failure) if f]
+    if not failures:
+        dist.barrier()
+        try:
+            write_checksums(partial)
+        except OSError as e:
+            failures = [describe_os_error(e, path)]
+    error = None
     if dist.get_rank() == 0:
-        tmp = save_dir / f".{LATEST}.tmp"
-        tmp.write_text(path.name + "\n")
-        tmp.replace(save_dir / LATEST)  # atomic: a crash mid-save never points `latest` at a partial checkpoint
-    dist.barrier()
+        try:
+            if failures:
+                error = str(failures[0])
+                shutil.rmtree(partial, ignore_errors=True)
+            else:
+                partial.rename(path)  # complete: only now does iter_N exist
+                tmp = save_dir / f".{LATEST}.tmp"
+                tmp.write_text(path.name + "\n")
+                tmp.replace(save_dir / LATEST)  # atomic: `latest` never names a partial checkpoint
+        except OSError as e:
+            error = describe_os_error(e, path)
+    _raise_on_every_rank(error)
     return path
+
+
+def _all_gather(value: str | None) -> list[str | None]:
+    out: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _checkpoints_in(save_dir: Path) -> list[Path]:
+    """Complete checkpoints under save_dir, newest first: policy versions (iter_N) before pre-training steps."""
+    found = []
+    for p in save_dir.iterdir():
+        m = re.fullmatch(r"(iter|pretrain)_(\d+)", p.name)
+        if m and p.is_dir() and (p / "metadata.json").is_file():
+            found.append(((m.group(1) == "iter", int(m.group(2))), p))
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def intact_checkpoint(path: str | Path) -> Path:
+    """Collective: the checkpoint to load from `path` -- a checkpoint directory, or a save_dir whose `latest` names
+    one -- after verifying its files (learner/integrity.py). A damaged `latest` falls back to the newest intact
+    checkpoint of the save_dir, saying so; none intact, or a damaged directory named directly: CheckpointError with
+    the bad file and the fix."""
+    path = Path(path)
+    if not (path / LATEST).is_file():
+        path = resolve_checkpoint(path)
+        problem = verify_checksums(path)
+        if problem:
+            raise CheckpointError(f"checkpoint {path} is damaged: {problem}; load another one (learner.load)")
+        return path
+    named = resolve_checkpoint(path)
+    problems: list[str] = []
+    for candidate in [named, *(c for c in _checkpoints_in(path) if c != named)]:
+        problem = verify_checksums(candidate)
+        if problem is None:
+            if candidate != named:
+                logger.warning("%s names %s, which is damaged (%s); loading %s, the newest intact checkpoint",
+                               path / LATEST, named.name, problems[0], candidate.name)  # fmt: skip
+            return candidate
+        problems.append(problem)
+    raise CheckpointError(f"no intact checkpoint in {path}: {'; '.join(problems)}. Move {path} away to start from "
+                          "model.hf_path, or set learner.load to a checkpoint that is intact")  # fmt: skip
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -189,7 +261,7 @@ def load_pretrained(learner: Learner, path: str | Path) -> None:
     policy of a learner checkpoint): the value backbone starts from the policy's weights, its head stays new."""
     from megatron.core import dist_checkpointing
 
-    path = resolve_checkpoint(path)
+    path = intact_checkpoint(path)
     record = read_hf_source(path)
     if record is not None:
         try:
@@ -272,8 +344,11 @@ def load_checkpoint(learner: Learner, path: str | Path, load_optimizer: bool = T
 
     if learner.cfg.learner.value_on_separate_ranks and (role_dir(learner, path) / LATEST).is_file():
         path = role_dir(learner, path)  # the job's own directory under a shared save_dir
-    path = resolve_checkpoint(path)
-    saved = dist_checkpointing.load_common_state_dict(str(path))
+    path = intact_checkpoint(path)
+    try:
+        saved = dist_checkpointing.load_common_state_dict(str(path))
+    except Exception as e:  # pickle / EOF / decode errors name no file: this does
+        raise CheckpointError(f"{path / 'common.pt'} cannot be read ({type(e).__name__}: {e})") from None
     common = saved["common"]
     _check_compatible(learner, common, path)
     state = _sharded_state(learner, is_loading=True)

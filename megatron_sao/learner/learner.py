@@ -12,6 +12,7 @@ Built by the training entry point; checkpointed by learner/checkpoint.py.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -147,13 +148,17 @@ class Learner:
         plan = self._plan(trajectories)
         if plan is None or isinstance(plan, dict):
             return plan or {}
+        t0 = time.monotonic()
         if self.value is not None:
             advantages = self._critic_updates(plan)
+            plan.metrics["time/critic"] = time.monotonic() - t0
         else:
             assert plan.sequence_advantages is not None
             advantages = sequence_to_token_advantages(plan.sequence_advantages[plan.mine], plan.batch.action_mask)
+        t1 = time.monotonic()
         if update_policy:
             self._policy_update(plan, advantages)
+            plan.metrics["time/policy"] = time.monotonic() - t1
         plan.metrics["step/version"] = float(self.version)
         return plan.metrics
 
@@ -265,10 +270,14 @@ class Learner:
         with torch.no_grad():
             on_last_stage = collect_values(self.value.ddp, mbs, old_values)
         advantages = returns = None
+        gae: list[dict[str, tuple[float, float]]] = []
         if on_last_stage:
             rewards = token_rewards(batch.action_mask, batch.rewards, batch.turn_rewards, batch.turn_index)
             targets = compute_step_targets(rewards, old_values, batch.action_mask, algo)
             advantages, returns = targets.advantages, targets.returns
+            tokens = float(batch.action_mask.sum())  # gae/*: token-weighted over the ranks that hold outputs
+            gae = [{name: (float(v) * tokens, tokens) for name, v in targets.metrics.items()}] if tokens else []
+        metrics.update(reduce_metrics(gae))
         if publish is not None:
             by_id = {}
             if advantages is not None and plan.holds_outputs:
@@ -279,7 +288,7 @@ class Learner:
             results, ok, grad_norm = value_update(self.value, mbs, batch, returns, old_values, algo.value.clip)
             reduced = explained_variance(reduce_metrics(results))
             if k == 0:
-                metrics.update({f"{name}_first": v for name, v in reduced.items() if name.endswith("v_loss")})
+                metrics["loss/value_first"] = reduced["loss/value"]
             metrics.update(reduced)
             metrics.update({"value/grad_norm": grad_norm, "value/update_ok": float(ok)})
         metrics["value/updates"] = float(algo.value.updates_per_policy_step)

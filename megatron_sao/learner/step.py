@@ -22,7 +22,7 @@ from megatron_sao.learner.packing import MicroBatch
 from megatron_sao.learner.roles import RoleModel
 
 WeightedMetrics = dict[str, tuple[float, float]]
-"""name -> (value * weight, weight). Losses are already sums (N = 1 in the algo calls): (sum, count).
+"""name -> (value * weight, weight). Losses (loss/*) are already sums (N = 1 in the algo calls): (sum, count).
 Names ending in _max carry (max, 1) and are reduced with max."""
 
 
@@ -37,7 +37,7 @@ def _weighted(metrics: dict[str, Any], count: float) -> WeightedMetrics:
             continue
         if name.endswith("_max"):
             out[name] = (v, 1.0)
-        elif name.endswith("_loss"):
+        elif name.startswith("loss/"):  # already normalized by the step's token count: summed, not token-weighted
             out[name] = (v, count)
         else:
             out[name] = (v * count, count)

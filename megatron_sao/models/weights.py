@@ -36,6 +36,17 @@ class WeightMismatchError(ValueError):
     """A checkpoint tensor is missing, unexpected, or has the wrong shape/dtype; the message names it."""
 
 
+def _open(f: Path) -> Any:
+    """safe_open, with an error that names the file (safetensors' own names none)."""
+    if not f.is_file():
+        raise WeightMismatchError(f"{f} is missing (named by {SAFETENSORS_INDEX}): re-download or re-convert it")
+    try:
+        return safe_open(str(f), framework="pt")
+    except Exception as e:  # SafetensorError: header / size mismatch
+        raise WeightMismatchError(f"{f} is not a readable safetensors file ({e}): truncated or damaged? re-download "
+                                  "or re-convert it") from None  # fmt: skip
+
+
 class HFCheckpoint:
     """Lazy, read-only view of an HF safetensors directory (one file or an index of shards)."""
 
@@ -51,7 +62,7 @@ class HFCheckpoint:
                 raise FileNotFoundError(f"{self.path} holds no *.safetensors files (nor {SAFETENSORS_INDEX})")
             self._file_of = {}
             for f in files:
-                with safe_open(str(f), framework="pt") as h:
+                with _open(f) as h:
                     for name in h.keys():  # noqa: SIM118 - safe_open handles are not mappings
                         self._file_of[name] = f
         self._handles: OrderedDict[Path, Any] = OrderedDict()
@@ -71,7 +82,7 @@ class HFCheckpoint:
         else:
             while len(self._handles) >= MAX_OPEN_FILES:
                 self._handles.popitem(last=False)
-            self._handles[f] = safe_open(str(f), framework="pt")
+            self._handles[f] = _open(f)
         return self._handles[f]
 
     def get(self, name: str) -> torch.Tensor:

@@ -11,11 +11,13 @@ import threading
 from typing import Any
 
 from megatron_sao.config import ConfigError, load_config
+from megatron_sao.rollout.worker import Undelivered
 
 
 class StoppableSink:
     """The bus sender as the worker's sink, except that a send blocked by back-pressure gives up once `stop` is set
-    (the learner is gone or the run ends); what it drops is counted and, with bus.spool_dir, stays in the spool."""
+    (the learner is gone or the run ends): it is counted and raises Undelivered, so its prompt is not marked done
+    (the next run generates it again)."""
 
     def __init__(self, sender: Any, stop: threading.Event) -> None:
         self.sender, self.stop, self.dropped = sender, stop, 0
@@ -28,7 +30,7 @@ class StoppableSink:
             except TimeoutError:
                 if self.stop.is_set():
                     self.dropped += 1
-                    return
+                    raise Undelivered("the run is stopping and the bus is full") from None
 
 
 def main(argv: list[str]) -> int:

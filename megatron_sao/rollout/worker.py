@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -43,9 +44,15 @@ RETRYABLE = (NoHealthyEngine, EpisodeAborted, EngineUnavailable, EngineTimeout, 
 
 
 class TrajectorySink(Protocol):
-    """Where finished trajectories go; the bus TrajectorySender satisfies it."""
+    """Where finished trajectories go; the bus TrajectorySender satisfies it. A sink that gives a trajectory up (the
+    run is stopping while the bus is full) raises Undelivered: its prompt is then not marked done, and is
+    re-issued by the next run."""
 
     def send(self, traj: Trajectory) -> None: ...
+
+
+class Undelivered(RuntimeError):
+    """The sink did not take the trajectory (rollout/cli.py's StoppableSink when stopping)."""
 
 
 class InMemorySink:
@@ -70,6 +77,8 @@ class WorkerConfig:
     batch_prompts: int | None = None  # group arms: prompts per batch (B); None streams (SAO, running_mean)
     batch_lag: int = 0  # group arms: 0 synchronous (grpo), 1 one-step-off (grpo_async)
     gate_poll_s: float = 0.1  # how often a batch waiting for new weights asks the engines their version
+    metrics_path: str | None = None  # JSON lines of the worker's metrics, one per log interval and at the end
+    ledger_path: str | None = None  # JSON lines of the worker's side of the trajectory ledger (run/ledger.py)
 
 
 class BatchGate:
@@ -125,18 +134,39 @@ class WorkerMetrics:
     reissued: int = 0
     failed: int = 0
     dropped_groups: int = 0
+    turns: int = 0
+    tool_calls: int = 0  # turns an observation followed
+    generate_s: float = 0.0  # engine time over all turns
+    tool_s: float = 0.0
+
+    def count(self, traj: Trajectory) -> None:
+        self.trajectories += 1
+        self.tokens += traj.header.num_tokens
+        self.action_tokens += traj.num_action_tokens
+        self.reward_sum += traj.header.reward
+        turns = traj.header.turns
+        self.turns += len(turns)
+        self.tool_calls += sum(t.observation_end > t.action_end for t in turns)
+        self.generate_s += sum(t.generate_s for t in turns)
+        self.tool_s += sum(t.tool_s for t in turns)
 
     def snapshot(self) -> dict[str, float]:
         dt = max(time.monotonic() - self.started, 1e-9)
+        n = max(self.trajectories, 1)
         return {
             "trajectories": self.trajectories,
             "prompts_done": self.prompts_done,
             "trajectories_per_s": self.trajectories / dt,
             "action_tokens_per_s": self.action_tokens / dt,
-            "mean_reward": self.reward_sum / max(self.trajectories, 1),
+            "mean_reward": self.reward_sum / n,
             "reissued": self.reissued,
             "failed": self.failed,
             "dropped_groups": self.dropped_groups,
+            "episode_tokens_mean": self.tokens / n,
+            "turns_mean": self.turns / n,
+            "tool_calls_mean": self.tool_calls / n,
+            "engine_latency_s_mean": self.generate_s / max(self.turns, 1),  # per turn: request to last token
+            "tool_s_mean": self.tool_s / max(self.tool_calls, 1),
         }
 
 
@@ -152,6 +182,8 @@ class RolloutWorker:
         self.cursor, self.loop, self.sink, self.cfg, self.router = cursor, loop, sink, cfg, router
         self.metrics = WorkerMetrics()
         self._lock = threading.Lock()
+        self._ledger_lock = threading.Lock()
+        self._undelivered: set[str] = set()  # prompts a sample of which the sink gave up
         self._sent: set[tuple[str, int]] = set()
         self._remaining: dict[str, int] = {}  # prompt key -> samples not pushed yet
         self._backoff: list[_Task] = []  # re-issued tasks waiting out their back-off (never slept on the run thread)
@@ -253,7 +285,7 @@ class RolloutWorker:
                 e,
                 exc_info=e,
             )
-            self._sample_failed(task.key)
+            self._sample_failed(task.key, task.sample_index)
             return
         if self.gate is not None:  # group arms: a group goes out whole, in sample order, or not at all
             self._groups.setdefault(task.key, {})[task.sample_index] = traj
@@ -267,14 +299,28 @@ class RolloutWorker:
         with self._lock:
             assert ident not in self._sent, f"{ident} would be pushed twice"
             self._sent.add(ident)
-        self.sink.send(traj)
-        m = self.metrics
-        m.trajectories += 1
-        m.tokens += traj.header.num_tokens
-        m.action_tokens += traj.num_action_tokens
-        m.reward_sum += traj.header.reward
+        h = traj.header
+        try:
+            self.sink.send(traj)
+        except Undelivered:
+            self._undelivered.add(key)
+            self._ledger({"event": "undelivered", "id": h.trajectory_id, "prompt": key, "sample": sample_index,
+                          "worker": h.worker_id})  # fmt: skip
+            return
+        self.metrics.count(traj)
+        acted = traj.weight_versions[traj.action_mask]
+        self._ledger({"event": "produced", "id": h.trajectory_id, "prompt": key, "prompt_id": h.prompt_id,
+                      "sample": sample_index, "worker": h.worker_id,
+                      "versions": [int(acted.min()), int(acted.max())] if acted.size else None})  # fmt: skip
 
-    def _sample_failed(self, key: str) -> None:
+    def _ledger(self, line: dict[str, Any]) -> None:
+        if self.cfg.ledger_path:
+            Path(self.cfg.ledger_path).parent.mkdir(parents=True, exist_ok=True)
+            with self._ledger_lock, open(self.cfg.ledger_path, "a") as f:
+                f.write(json.dumps({**line, "time": time.time()}) + "\n")
+
+    def _sample_failed(self, key: str, sample_index: int) -> None:
+        self._ledger({"event": "failed", "prompt": key, "sample": sample_index, "worker": self.cfg.worker_id})
         self.metrics.failed += 1
         self._failed_samples[key] = self._failed_samples.get(key, 0) + 1
         self._sample_finished(key)
@@ -287,7 +333,7 @@ class RolloutWorker:
                 "prompt %s (%s) sample %d failed %d times, giving up: %r",
                 *(pid, task.key, task.sample_index, task.attempt, error),
             )
-            self._sample_failed(task.key)
+            self._sample_failed(task.key, task.sample_index)
             return
         log.warning(
             "re-issuing prompt %s (%s) sample %d (attempt %d): %r",
@@ -313,7 +359,11 @@ class RolloutWorker:
             if self.gate is not None:
                 self._group_done(key)
             self._failed_samples.pop(key, None)
+            if key in self._undelivered:  # not done: the next run takes this prompt again
+                self._undelivered.discard(key)
+                return
             self.cursor.complete(key)
+            self._ledger({"event": "prompt_done", "prompt": key, "worker": self.cfg.worker_id})
             self.metrics.prompts_done += 1
             self._save_cursor()
 
@@ -326,6 +376,8 @@ class RolloutWorker:
             log.error("group of prompt %s dropped: %d of its %d samples failed; another prompt takes its place",
                       key, self._failed_samples.get(key, 0), self.cfg.rollouts_per_prompt)  # fmt: skip
             self.metrics.dropped_groups += 1
+            self._ledger({"event": "dropped_group", "prompt": key, "worker": self.cfg.worker_id,
+                          "samples": sorted(group)})  # fmt: skip
             self.gate.taken -= 1
             return
         for index in sorted(group):
@@ -361,6 +413,14 @@ class RolloutWorker:
             health or "n/a",
         )
         self._save_cursor()
+        if self.cfg.metrics_path:
+            record = {"time": time.time(), "worker": self.cfg.worker_id,
+                      **{f"rollout/{k}": v for k, v in s.items() if k != "engines"}}  # fmt: skip
+            for url, e in engines.items():
+                record.update({f"engine/{url}/{k}": e[k] for k in ("requests", "failures", "tokens", "outstanding")})
+            Path(self.cfg.metrics_path).parent.mkdir(parents=True, exist_ok=True)
+            with open(self.cfg.metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
 
 
 def worker_from_config(
@@ -412,5 +472,7 @@ def worker_from_config(
         max_attempts=r.max_episode_attempts,
         log_interval_s=r.log_interval_s,
         state_path=r.cursor_state or str(Path(cfg.launch.run_dir) / cursor_file),
+        metrics_path=str(Path(cfg.launch.run_dir) / f"rollout_metrics_{worker_id}.jsonl"),
+        ledger_path=str(Path(cfg.launch.run_dir) / "ledger" / f"{worker_id}.jsonl"),
     )
     return RolloutWorker(PromptCursor(records, epochs=None), loop, sink, wcfg, router)

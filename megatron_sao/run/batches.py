@@ -43,9 +43,23 @@ def whole_groups(held: Sequence[Trajectory], groups: int, group_size: int) -> li
 
 
 class Batches:
-    def __init__(self, receiver: Any, n: int, group_size: int | None) -> None:
+    """`held`: received trajectories of groups not yet whole. The bus counts them as consumed (a checkpoint commits
+    them), so they go into the checkpoint too (run/learn.py) and come back on resume: never lost, never twice."""
+
+    def __init__(
+        self, receiver: Any, n: int, group_size: int | None, held: list[list[bytes]] | None = None, bus: Any = None
+    ) -> None:
+        from megatron_sao.bus.codec import Limits, decode
+
         self.receiver, self.n, self.group_size = receiver, n, group_size
-        self.held: list[Trajectory] = []
+        limits = Limits(bus.max_frame_bytes, bus.max_message_bytes, bus.max_header_bytes) if bus else None
+        self.held: list[Trajectory] = [decode(frames, limits)[0] for frames in held or []] if limits else []
+
+    def held_frames(self) -> list[list[bytes]]:
+        """The held trajectories in the bus's wire encoding (what a checkpoint stores: plain bytes)."""
+        from megatron_sao.bus.codec import encode
+
+        return [[bytes(f) for f in encode(t)] for t in self.held]
 
     def next(self, lagging: bool, stopping: Callable[[], bool] = lambda: False) -> list[Trajectory] | None:
         """Receive until a batch is complete (returned, and no longer held); None per the module docstring, or

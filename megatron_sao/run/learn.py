@@ -13,8 +13,8 @@
         trajectories are exactly one version old
     every learner.save_interval versions (pre-training: steps) and at the end: checkpoint, then commit the bus
     one progress line per step on rank 0, every metric in <run_dir>/metrics.jsonl
-    SIGTERM / SIGINT (scancel, the launcher, Ctrl-C) on any rank: the step in progress ends, every rank checkpoints,
-    learn returns with `stopped` set (the `learn` command exits 128 + the signal); a second SIGINT interrupts at once
+    SIGTERM / SIGINT (scancel, the launcher, Ctrl-C) or <run_dir>/STOP on any rank: the step in progress ends, every
+    rank checkpoints, learn returns with `stopped` set (the `learn` command exits 0); a second signal stops at once
 
 Engines start from the HF weights (version 0); after a resume they get the checkpoint's weights before any new
 trajectory is taken, so the versions they tag tokens with are the learner's.
@@ -22,7 +22,6 @@ trajectory is taken, so the versions they tag tokens with are the learner's.
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import threading
@@ -37,9 +36,14 @@ from megatron_sao.bus.schema import Trajectory
 from megatron_sao.config.tree import SAOConfig
 from megatron_sao.config.weight_sync import WeightSyncConfig
 from megatron_sao.run.batches import Batches
+from megatron_sao.run.display import StepDisplay
+from megatron_sao.run.metrics import MetricsLog, TrajectoryLedger, batch_metrics
 from megatron_sao.run.pretrain import ValuePretraining
 
 log = logging.getLogger(__name__)
+
+DUPLICATE_SIGNAL_S = 2.0
+"""A second SIGTERM / SIGINT later than this after the first stops the learner at once."""
 
 STOP_FILE = "STOP"
 """<run_dir>/STOP asks the learner to checkpoint and stop (launch/slurm.py writes it; the learner removes it once it
@@ -81,6 +85,7 @@ class StopSignal:
 
     def __init__(self, request_file: Path | None = None) -> None:
         self.got = 0
+        self.first_at = 0.0
         self.request_file = request_file
         self._previous: dict[int, Any] = {}
 
@@ -103,10 +108,12 @@ class StopSignal:
         self._previous.clear()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if self.got and signum == signal.SIGINT:
+        if self.got and time.monotonic() - self.first_at > DUPLICATE_SIGNAL_S:
+            log.warning("second %s: stopping now, without a checkpoint", signal.Signals(signum).name)
             raise KeyboardInterrupt
-        self.got = self.got or signum
-        log.warning("%s: finishing this step, then checkpointing and stopping", signal.Signals(signum).name)
+        if not self.got:  # (Slurm and torchrun both deliver scancel's SIGTERM: a repeat within a second is that one)
+            self.got, self.first_at = signum, time.monotonic()
+            log.warning("%s: finishing this step, then checkpointing and stopping", signal.Signals(signum).name)
 
     def agreed(self) -> int:
         """Collective: the signal any rank got (0: none)."""
@@ -143,18 +150,20 @@ class EngineWeights:
     def lagging(self) -> bool:
         return self.enabled and (self.failed or self.behind > (1 if self.deferred else 0))
 
-    def due(self) -> bool:
-        """Collective: push now, after a step? On the interval, after a failed push, or when the set of engines
-        changed (one came back or joined: it is brought to the current version before the router gives it work).
+    def due(self) -> str | None:
+        """Collective: push now, after a step? The reason (interval, retry after a failed push, engines_changed: one
+        came back or joined, and is brought to the current version before the router gives it work), or None.
         Never for a deferred (grpo_async) push unless one failed: that one goes out before the next step."""
         if not self.enabled:
-            return False
+            return None
         v = self.learner.version
         if self.deferred:
-            return self.failed and v != self.version
-        if v != self.version and (self.failed or v % self.cfg.interval == 0):
-            return True
-        return self.sync.engines_changed()
+            return "retry" if self.failed and v != self.version else None
+        if v != self.version and self.failed:
+            return "retry"
+        if v != self.version and v % self.cfg.interval == 0:
+            return "interval"
+        return "engines_changed" if self.sync.engines_changed() else None
 
     def finish(self, attempts: int = FINAL_PUSH_ATTEMPTS) -> dict[str, float]:
         """Collective, at the end of training: the engines must end up with the final weights, so a last push that
@@ -165,76 +174,32 @@ class EngineWeights:
                 break
             if attempt:
                 time.sleep(FINAL_PUSH_RETRY_S)
-            metrics = self.push()
+            metrics = self.push("final")
         if self.enabled and (self.failed or self.behind) and dist.get_rank() == 0:
             log.error("the engines do not hold the final version %d (the last pushes failed)", self.learner.version)
         return metrics
 
-    def push(self) -> dict[str, float]:
-        """Collective: push the learner's weights; the same metrics on every rank."""
-        result: dict[str, float] = _share(self.sync.push(self.learner.version) or None) or {}
+    def push(self, reason: str) -> dict[str, Any]:
+        """Collective: push the learner's weights; the same metrics on every rank, with sync/reason."""
+        result: dict[str, Any] = _share(self.sync.push(self.learner.version) or None) or {}
         self.failed = bool(result.get("sync/failed"))
         if not self.failed:
             self.version = self.learner.version
-        return result
+        return {**result, "sync/reason": reason} if result else {}
 
 
-class MetricsLog:
-    """One JSON line per step in <run_dir>/metrics.jsonl (rank 0)."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = path.open("a")
-
-    def write(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps(record, sort_keys=True) + "\n")
-        self.file.flush()
-
-    def close(self) -> None:
-        self.file.close()
-
-
-class TrajectoryLedger:
-    """One JSON line per trajectory a step trained on, in <run_dir>/trajectories.jsonl (rank 0): which step (the
-    version after it), its weight versions, tokens, turns and timings (start, finish, generation and tool seconds,
-    arrival at the learner). What the pipeline-efficiency benchmark and the cluster simulator read."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = path.open("a")
-
-    def write(self, batch: Sequence[Trajectory], version: int, pretrain: bool) -> None:
-        now = time.time()
-        for t in batch:
-            h = t.header
-            acted = t.weight_versions[t.action_mask]
-            self.file.write(json.dumps({
-                "id": h.trajectory_id, "prompt_id": h.prompt_id, "sample": h.sample_index, "worker": h.worker_id,
-                "step_version": version, "pretrain": pretrain,
-                "versions": [int(acted.min()), int(acted.max())] if acted.size else None,
-                "tokens": h.num_tokens, "action_tokens": int(t.action_mask.sum()), "turns": len(h.turns),
-                "reward": h.reward, "started_at": h.timings.started_at, "finished_at": h.timings.finished_at,
-                "sent_at": h.timings.sent_at, "trained_at": now, "gen_s": sum(turn.generate_s for turn in h.turns),
-                "tool_s": sum(turn.tool_s for turn in h.turns),
-            }) + "\n")  # fmt: skip
-        self.file.flush()
-
-    def close(self) -> None:
-        self.file.close()
-
-
-def _progress(step_s: float, batch: Sequence[Trajectory], metrics: dict[str, float], max_steps: int) -> str:
+def _progress(batch: Sequence[Trajectory], metrics: dict[str, Any], max_steps: int) -> str:
     rewards = [t.header.reward for t in batch]
     parts = [
         f"step {int(metrics.get('step/version', 0))}/{max_steps}",
         f"{len(batch)} traj",
         f"reward {sum(rewards) / max(len(rewards), 1):.3f}",
     ]
-    for key, label in (("dis/pg_loss", "pg_loss"), ("ppo/pg_loss", "pg_loss"), ("value/v_loss", "v_loss"),
+    for key, label in (("loss/policy", "pg_loss"), ("loss/value", "v_loss"),
                        ("staleness/mean", "staleness")):  # fmt: skip
         if key in metrics:
             parts.append(f"{label} {metrics[key]:.4g}")
-    parts.append(f"{step_s:.1f}s")
+    parts.append(f"{metrics['time/step']:.1f}s")
     return " | ".join(parts)
 
 
@@ -265,10 +230,16 @@ class _Run:
         if self.rank0:
             self.receiver = TrajectoryReceiver(cfg.bus, lambda: learner.version, state=extra.get("bus"))
         group = cfg.algo.rollouts_per_prompt if cfg.algo.grouped else None
-        self.batches = Batches(self.receiver, cfg.learner.trajectories_per_step, group) if self.rank0 else None
+        n = cfg.learner.trajectories_per_step
+        self.batches = Batches(self.receiver, n, group, extra.get("held"), cfg.bus) if self.rank0 else None
         self.sync = _weight_sync(learner, cfg, engine_urls) if engine_urls else None
-        self.metrics_log = MetricsLog(self.run_dir / "metrics.jsonl") if self.rank0 else None
-        self.ledger = TrajectoryLedger(self.run_dir / "trajectories.jsonl") if self.rank0 else None
+        la = cfg.launch
+        self.metrics_log = MetricsLog(self.run_dir, la.tensorboard, la.wandb, cfg) if self.rank0 else None
+        self.ledger = (TrajectoryLedger(self.run_dir / "trajectories.jsonl", learner.version, self.pretrain.steps)
+                       if self.rank0 else None)  # fmt: skip
+        self.display = StepDisplay(cfg.learner.max_steps, learner.version, la.display) if self.rank0 else None
+        self.counters = extra.get("counters") or {"steps": self.pretrain.steps + learner.version, "trajectories": 0,
+                                                  "tokens": 0}  # fmt: skip
         self.engines = EngineWeights(learner, self.sync, cfg.weight_sync, deferred=cfg.algo.name == "grpo_async")
         self.saved_at: tuple[int, int] | None = (learner.version, self.pretrain.steps) if self.resume else None
         self.steps = 0
@@ -283,34 +254,59 @@ class _Run:
         self.stopped = self.stop.agreed()
         return None if self.stopped else batch
 
-    def save(self, force: bool = False) -> None:
-        """Collective: checkpoint on the interval (policy versions; pre-training steps) or when forced, with the bus
-        and pre-training state, then tell the producers it is durable."""
+    def save(self, force: bool = False) -> float:
+        """Collective: checkpoint on the interval (policy versions; pre-training steps) or when forced, with the bus,
+        pre-training and counter state, then tell the producers it is durable; the seconds it took (0: not due)."""
         from megatron_sao.learner.checkpoint import save_checkpoint
 
         at = (self.learner.version, self.pretrain.steps)
         count = self.pretrain.steps if self.pretrain.active else self.learner.version
         if at == self.saved_at or not (force or count % self.cfg.learner.save_interval == 0):
-            return
+            return 0.0
+        t0 = time.monotonic()
         tag = f"pretrain_{self.pretrain.steps:07d}" if self.learner.version == 0 and self.pretrain.steps else None
         bus_state = _share(self.receiver.state_dict() if self.receiver is not None else None)
-        extra = {"bus": bus_state, "pretrain": self.pretrain.state_dict()}
+        held = _share(self.batches.held_frames() if self.batches is not None else None)  # committed with the bus
+        extra = {"bus": bus_state, "pretrain": self.pretrain.state_dict(), "counters": dict(self.counters),
+                 "held": held}  # fmt: skip
         path = save_checkpoint(self.learner, self.save_dir, extra=extra, tag=tag)
+        if self.ledger is not None and self.batches is not None:
+            self.ledger.held([t.header.trajectory_id for t in self.batches.held], self.learner.version,
+                             self.pretrain.steps)  # fmt: skip
         self.saved_at = at
         if self.receiver is not None:
             self.receiver.commit()
             log.info("checkpoint %s (version %d)", path, self.learner.version)
+        return time.monotonic() - t0
 
-    def log(self, step_s: float, batch: Sequence[Trajectory], metrics: dict[str, float], line: str) -> None:
+    def record(self, batch: Sequence[Trajectory], metrics: dict[str, Any], times: dict[str, float]) -> dict[str, Any]:
+        """A step's metrics record (run/metrics.py SCHEMA); counts the batch into the cumulative counters."""
+        c = self.counters
+        c["steps"] += 1
+        c["trajectories"] += len(batch)
+        facts = batch_metrics(batch)
+        c["tokens"] += int(facts["step/tokens"])
+        step_s = max(times["time/step"], 1e-9)
+        return {"step": c["steps"], "time": time.time(), "weight_version": self.learner.version, **facts,
+                "trajectories/consumed": c["trajectories"], "tokens/consumed": c["tokens"],
+                "throughput/tokens_per_s": facts["tokens/generated"] / step_s,
+                "throughput/trajectories_per_s": len(batch) / step_s, **metrics, **times}  # fmt: skip
+
+    def log(self, batch: Sequence[Trajectory], record: dict[str, Any], line: str) -> None:
         if self.rank0:
             assert self.receiver is not None and self.metrics_log is not None and self.ledger is not None
-            self.ledger.write(batch, self.learner.version, self.pretrain.active or "pretrain/samples" in metrics)
-            rewards = [t.header.reward for t in batch]
-            record = {"version": self.learner.version, "step_s": step_s, "time": time.time(),
-                      "reward/mean": sum(rewards) / max(len(rewards), 1), **metrics}  # fmt: skip
+            pretrain = self.pretrain.active or "pretrain/samples" in record
+            self.ledger.write(batch, self.learner.version, pretrain, self.pretrain.steps)
             record.update({f"bus/{k}": v for k, v in self.receiver.metrics().items()})
             self.metrics_log.write(record)
-            print(f"[learner] {line}", flush=True)
+            self.display.step(record, line)
+
+    def log_push(self, pushed: dict[str, Any]) -> None:
+        """A push between steps (resume, resync, final) gets a record of its own."""
+        if self.rank0 and pushed:
+            assert self.metrics_log is not None
+            self.metrics_log.write({"step": self.counters["steps"], "time": time.time(),
+                                    "weight_version": self.learner.version, **pushed})  # fmt: skip
 
     def close(self) -> None:
         if self.sync is not None:
@@ -324,6 +320,8 @@ class _Run:
             self.metrics_log.close()
         if self.ledger is not None:
             self.ledger.close()
+        if self.display is not None:
+            self.display.close()
 
 
 def learn(cfg: SAOConfig, engine_urls: list[str], on_ready: Callable[[], None] | None = None) -> dict[str, Any]:
@@ -343,44 +341,48 @@ def learn(cfg: SAOConfig, engine_urls: list[str], on_ready: Callable[[], None] |
     run.stop.install()
     try:
         if engines.enabled and learner.version > 0:  # give the engines the checkpoint's weights first
-            engines.push()
+            run.log_push(engines.push("resume"))
         if learner.version >= max_steps and run.rank0:
             print(f"[learner] already at version {learner.version} >= learner.max_steps={max_steps} (resumed from "
                   f"{run.resume}); raise learner.max_steps to train on", flush=True)  # fmt: skip
         elif run.rank0 and on_ready is not None:
             on_ready()
         while learner.version < max_steps:
+            t_wait = time.monotonic()
             batch = run.next_batch()
+            times = {"time/wait": time.monotonic() - t_wait, "time/sync": 0.0}
             if run.stopped:
                 break
             if batch is None:  # waiting while trajectories came stale or not at all: the engines lag, push again
-                engines.push()
+                run.log_push(engines.push("resync"))
                 continue
-            t0 = time.monotonic()
             if run.pretrain.active:  # the critic learns the initial policy's returns; the policy waits
                 metrics = learner.train_step(batch, update_policy=False)
                 run.pretrain.record(len(batch), metrics)
                 metrics.update(run.pretrain.metrics())
-                run.save(force=run.pretrain.done)
-                run.log(time.monotonic() - t0, batch, metrics, run.pretrain.progress(metrics))
+                times["time/checkpoint"] = run.save(force=run.pretrain.done)
+                times["time/step"] = time.monotonic() - t_wait
+                run.log(batch, run.record(batch, metrics, times), run.pretrain.progress(metrics))
                 continue
-            pushed = engines.push() if engines.deferred and engines.behind else {}  # grpo_async: version k now
-            t1 = time.monotonic()
+            pushed: dict[str, Any] = {}
+            if engines.deferred and engines.behind:  # grpo_async: version k goes out now that batch k is in
+                t0 = time.monotonic()
+                pushed = engines.push("deferred")
+                times["time/sync"] += time.monotonic() - t0
             metrics = learner.train_step(batch)
-            step_s = time.monotonic() - t1
             run.steps += 1
             metrics.update(pushed)
-            if engines.due():  # a skipped step (nothing trainable) leaves the version: nothing new to push or save
-                pushed = engines.push()
-                metrics.update(pushed)
-            metrics["time/train"] = step_s
-            metrics["time/sync"] = (t1 - t0) + (time.monotonic() - t1 - step_s)  # every push of this iteration
-            run.save(force=learner.version >= max_steps)
-            run.log(step_s, batch, metrics, _progress(step_s, batch, metrics, max_steps))
+            reason = engines.due()  # a skipped step (nothing trainable) leaves the version: nothing to push or save
+            if reason:
+                t0 = time.monotonic()
+                metrics.update(engines.push(reason))
+                times["time/sync"] += time.monotonic() - t0
+            times["time/checkpoint"] = run.save(force=learner.version >= max_steps)
+            times["time/step"] = time.monotonic() - t_wait
+            record = run.record(batch, metrics, times)
+            run.log(batch, record, _progress(batch, record, max_steps))
         run.save(force=True)
-        final = {} if run.stopped else engines.finish()  # stopping: the engines may be going down too
-        if final and run.metrics_log is not None:
-            run.metrics_log.write({"version": learner.version, "time": time.time(), **final})
+        run.log_push({} if run.stopped else engines.finish())  # stopping: the engines may be going down too
         if run.stopped and run.rank0:
             (run.run_dir / STOP_FILE).unlink(missing_ok=True)
             print(f"[learner] stopped by {signal.Signals(run.stopped).name} at version {learner.version}; "

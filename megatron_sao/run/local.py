@@ -41,9 +41,15 @@ def run_local(cfg: SAOConfig, config_path: str, overrides: list[str]) -> dict[st
     if not cfg.model.hf_path or not Path(cfg.model.hf_path).is_dir():
         raise ValueError(f"model.hf_path={cfg.model.hf_path!r} is not a directory: point it at an HF model (for the "
                          "tiny example: python tools/make_tiny_model.py --family qwen3_moe --out <dir>)")  # fmt: skip
+    _refuse_taken_ports(cfg)
     run_dir = Path(cfg.launch.run_dir)
     logs = run_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+        (logs / ".writable").touch()
+    except OSError as e:
+        raise ValueError(f"launch.run_dir={cfg.launch.run_dir!r} is not writable ({e.strerror}: {e.filename}); "
+                         "choose a directory this user can write") from None  # fmt: skip
     procs: list[engines.EngineProcess] = []
     workers: list[subprocess.Popen[bytes]] = []
     supervisor: Supervisor | None = None
@@ -85,6 +91,40 @@ def run_local(cfg: SAOConfig, config_path: str, overrides: list[str]) -> dict[st
                     worker.kill()
                     worker.wait()
         engines.stop(procs)
+
+
+def listener_of(port: int) -> tuple[int | None, str] | None:
+    """(pid, command line) of the process listening on TCP `port` on this machine, None when no one does (pid None:
+    a listener whose owner this user cannot see)."""
+    import psutil
+
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
+            if conn.pid is None:
+                return None, "?"
+            try:
+                return conn.pid, " ".join(psutil.Process(conn.pid).cmdline())
+            except psutil.Error:
+                return conn.pid, "?"
+    return None
+
+
+def _refuse_taken_ports(cfg: SAOConfig) -> None:
+    """A leftover engine or learner of another run on our ports would answer our health checks and take our
+    trajectories: refuse to start, naming the port, the process and the field to change."""
+    ports = {}
+    if not cfg.rollout.engine_urls:
+        ports.update(
+            {cfg.rollout.base_port + i: f"engine {i} (rollout.base_port)" for i in range(cfg.rollout.num_engines)}
+        )
+    if cfg.bus.bind.startswith("tcp://"):
+        ports[int(cfg.bus.bind.rsplit(":", 1)[1])] = "the bus (bus.bind)"
+    for port, what in ports.items():
+        owner = listener_of(port)
+        if owner is not None:
+            pid, cmd = owner
+            raise ValueError(f"port {port} for {what} is already taken by pid {pid} ({cmd[:160]}): a leftover of "
+                             f"another run? stop it (kill {pid}) or choose another port")  # fmt: skip
 
 
 class Supervisor(threading.Thread):

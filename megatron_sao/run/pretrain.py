@@ -16,7 +16,7 @@ from typing import Any
 
 from megatron_sao.config.algo import AlgoConfig
 
-LOSS = "value/v_loss_first"
+LOSS = "loss/value_first"
 """The step's first value update's loss: the critic's error on trajectories it has not trained on yet."""
 
 

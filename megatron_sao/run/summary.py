@@ -17,8 +17,8 @@ def summarize(run_dir: str | Path, window: int = 10) -> dict[str, Any]:
     path = Path(run_dir) / "metrics.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
     rewarded = [r for r in records if "reward/mean" in r]
-    pretrain = [r for r in rewarded if r.get("version") == 0 and "pretrain/samples" in r]
-    steps = [r for r in rewarded if r.get("version", 0) > 0 and "step/trajectories" in r]
+    pretrain = [r for r in rewarded if r.get("weight_version") == 0 and "pretrain/samples" in r]
+    steps = [r for r in rewarded if r.get("weight_version", 0) > 0 and "step/trajectories" in r]
     out: dict[str, Any] = {"run_dir": str(run_dir), "policy_steps": len(steps), "pretrain_steps": len(pretrain)}
     if not steps:
         return out
@@ -27,8 +27,10 @@ def summarize(run_dir: str | Path, window: int = 10) -> dict[str, Any]:
     out["reward_before_from"] = "value pre-training rollouts" if pretrain else f"first {len(first)} steps"
     out["reward_after"] = statistics.fmean(r["reward/mean"] for r in steps[-window:])
     out["trajectories"] = int(sum(r.get("step/trajectories", 0) for r in rewarded))
-    out["seconds"] = rewarded[-1]["time"] - rewarded[0]["time"] + rewarded[0].get("step_s", 0.0)
-    out["final_version"] = steps[-1]["version"]
+    out["seconds"] = rewarded[-1]["time"] - rewarded[0]["time"] + rewarded[0].get("time/step", 0.0)
+    out["tokens_per_s"] = sum(r.get("tokens/generated", 0.0) for r in rewarded) / max(out["seconds"], 1e-9)
+    out["first_version"] = steps[0]["weight_version"] - 1
+    out["final_version"] = steps[-1]["weight_version"]
     return out
 
 
@@ -37,5 +39,6 @@ def describe(s: dict[str, Any]) -> str:
         return f"[run] no policy step recorded in {s['run_dir']}/metrics.jsonl"
     return (f"[run] reward {s['reward_before']:.3f} ({s['reward_before_from']}) -> {s['reward_after']:.3f} (last "
             f"{min(10, s['policy_steps'])} steps); {s['policy_steps']} policy steps after {s['pretrain_steps']} value "
-            f"pre-training steps, {s['trajectories']} trajectories, {s['seconds']:.0f}s; version {s['final_version']}; "
-            f"metrics in {s['run_dir']}/metrics.jsonl")  # fmt: skip
+            f"pre-training steps, {s['trajectories']} trajectories, {s['tokens_per_s']:.0f} generated tokens/s, "
+            f"{s['seconds']:.0f}s; versions {s['first_version']} -> {s['final_version']}; run dir {s['run_dir']} "
+            "(metrics.jsonl, tensorboard/, reward.png)")  # fmt: skip

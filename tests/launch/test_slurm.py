@@ -71,11 +71,11 @@ def test_submit_runs_every_role_on_its_own_node(cluster: dict[str, str], model: 
     assert re.search(r"n1 +127\.0\.0\.1 +learner\n +n2 +127\.0\.0\.1 +engine-0\n +n3 +127\.0\.0\.1 +rollout-0", out)
     assert "learner on 1 node(s) x 2 rank(s)" in out and "[launch] the learner finished" in out
     steps = _steps(run_dir)
-    assert [r["version"] for r in steps] == [1, 2, 3]
+    assert [r["weight_version"] for r in steps] == [1, 2, 3]
     for r in steps:  # every step's weights reached the engine on n2, checksums verified
-        assert r["sync/version"] == r["version"] and r["sync/failed"] == 0 and r["sync/engines"] == 1
+        assert r["sync/version"] == r["weight_version"] and r["sync/failed"] == 0 and r["sync/engines"] == 1
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter_0000003"
-    ledger = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
+    ledger = [t for t in map(json.loads, (run_dir / "trajectories.jsonl").read_text().splitlines()) if "id" in t]
     assert {t["worker"] for t in ledger} == {"rollout-0"} and len(ledger) == 3 * 8
     for name in ("engine-0", "learner", "rollout-0"):
         assert (run_dir / "logs" / f"{name}.log").stat().st_size > 0
@@ -95,7 +95,7 @@ def test_scancel_checkpoints_and_a_resubmission_resumes(cluster: dict[str, str],
         assert time.monotonic() < deadline + 120, "the job did not end after scancel"
         time.sleep(0.5)
     out = _output(run_dir, job)
-    last = _steps(run_dir)[-1]["version"]
+    last = _steps(run_dir)[-1]["weight_version"]
     assert "stopped by SIGTERM" in out, out[-4000:]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"iter_{last:07d}"  # saved on the way out
     assert last < 400
@@ -106,4 +106,8 @@ def test_scancel_checkpoints_and_a_resubmission_resumes(cluster: dict[str, str],
     assert code == 0, said + out2[-4000:]
     assert f"resumed from {run_dir / 'checkpoints'} at version {last}" in out2
     assert f"waiting for the learner to push version {last}" in out2
-    assert [r["version"] for r in _steps(run_dir)][-3:] == [last, last + 1, last + 2]
+    assert [r["weight_version"] for r in _steps(run_dir)][-3:] == [last, last + 1, last + 2]
+    from megatron_sao.run.ledger import check_ledger
+
+    report = check_ledger(run_dir)  # across scancel and the resubmission
+    assert report.ok and report.produced > 0, report.describe()

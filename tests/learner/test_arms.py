@@ -92,7 +92,7 @@ def _critic_only(hf_dir: str) -> dict[str, Any]:
 def test_sao_steps_on_a_single_trajectory(tiny_hf_dir: Any) -> None:
     (out,) = spawn_ranks(_sao_one_trajectory, 1, str(tiny_hf_dir("qwen3_moe")), timeout_s=300)
     assert out["version"] == 1 and out["moved"] > 0 and out["value_steps"] == 2
-    assert out["metrics"]["step/trajectories"] == 1 and "dis/pg_loss" in out["metrics"]
+    assert out["metrics"]["step/trajectories"] == 1 and "loss/policy" in out["metrics"]
 
 
 @pytest.mark.multiproc
@@ -116,4 +116,4 @@ def test_running_mean_carries_its_window_across_steps(tiny_hf_dir: Any) -> None:
 def test_value_pretraining_steps_train_the_critic_only(tiny_hf_dir: Any) -> None:
     (out,) = spawn_ranks(_critic_only, 1, str(tiny_hf_dir("qwen3_moe")), timeout_s=300)
     assert out["version"] == 0 and out["policy_moved"] == 0.0 and out["value_moved"] > 0
-    assert "value/v_loss_first" in out["metrics"] and "dis/pg_loss" not in out["metrics"]
+    assert "loss/value_first" in out["metrics"] and "loss/policy" not in out["metrics"]

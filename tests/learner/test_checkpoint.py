@@ -12,7 +12,7 @@ from megatron_sao.distributed import spawn_ranks
 from megatron_sao.learner.synthetic import make_batch
 from tests.learner.test_learner_step import learner_config, on_policy
 
-KEYS = ("value/v_loss_first", "value/v_loss", "value/grad_norm", "dis/pg_loss", "policy/grad_norm")
+KEYS = ("loss/value_first", "loss/value", "value/grad_norm", "loss/policy", "policy/grad_norm")
 
 
 def _continue(learner, batches) -> list[dict[str, float]]:

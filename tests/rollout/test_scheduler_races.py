@@ -34,8 +34,8 @@ class GatedRunner:
         return logits
 
 
-def _scheduler(runner: GatedRunner) -> Scheduler:
-    s = Scheduler(runner, updater=None, max_running=4, context_len=64, eos_ids=(), weight_version="0")
+def _scheduler(runner: GatedRunner, context_len: int = 64) -> Scheduler:
+    s = Scheduler(runner, updater=None, max_running=4, context_len=context_len, eos_ids=(), weight_version="0")
     s.start()
     return s
 
@@ -46,9 +46,9 @@ def _request(rid: str, first: int, n: int = 30) -> Request:
 
 def test_abort_during_another_requests_prefill_touches_only_the_aborted_one():
     runner = GatedRunner()
-    sched = _scheduler(runner)
+    sched = _scheduler(runner, context_len=1 << 20)  # a must still be decoding when the test thread gets to run
     try:
-        a = _request("a", 1, n=200)
+        a = _request("a", 1, n=1 << 19)
         sched.submit(a)
         while len(a.output_ids) < 3:  # a is decoding
             pass

@@ -8,12 +8,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from megatron_sao.distributed.spawn import find_free_port
+from tests.run.test_arms import assert_ledger_ok
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,24 +43,33 @@ def test_run_trains_syncs_and_resumes(tiny_hf_dir: Any, tmp_path: Path) -> None:
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "[learner] step 2/2" in first.stdout
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["version"] for r in records] == [1, 2]
+    assert [r["weight_version"] for r in records] == [1, 2]
     for r in records:
-        assert r["step/trajectories"] == 4 and r["bus/accepted"] >= 4 * r["version"]
-        assert r["sync/version"] == r["version"]  # weight_sync.interval=1: pushed after every step
+        assert r["step/trajectories"] == 4 and r["bus/accepted"] >= 4 * r["weight_version"]
+        assert r["sync/version"] == r["weight_version"]  # weight_sync.interval=1: pushed after every step
     # the engine generated with the weights it was sent: the DIS ratio of the first step's on-policy tokens is 1
     assert abs(records[0]["dis/ratio_mean"] - 1.0) < 1e-4 and records[0]["dis/mismatch_kl"] < 1e-6
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter_0000002"
     assert (run_dir / "rollout_cursor.json").is_file()
 
     ports = {"engine": find_free_port(), "bus": find_free_port(), "sync": find_free_port()}
-    second = _run(hf_dir, run_dir, ports, max_steps=3)
+    resumed_at = time.time()
+    # the first run left ~60 trajectories in its spool: they come first (exactly once), so train past them
+    second = _run(hf_dir, run_dir, ports, max_steps=24)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert "[learner] step 3/3" in second.stdout and "step 1/" not in second.stdout
+    assert "[learner] step 24/24" in second.stdout and "step 1/" not in second.stdout
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["version"] for r in records] == [1, 2, 3]
-    # resumed engines were given version 2 before training: every token of step 3 is version >= 2
-    assert records[-1]["staleness/max"] <= 1.0
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter_0000003"
+    (resume,) = [r for r in records if r.get("sync/reason") == "resume"]  # the checkpoint's weights, before any step
+    assert resume["weight_version"] == 2 and resume["sync/failed"] == 0 and "step/trajectories" not in resume
+    records = [r for r in records if "step/trajectories" in r]
+    assert [r["weight_version"] for r in records] == list(range(1, 25))
+    # resumed engines were given version 2 before the worker started: every token the second run generated is
+    # version >= 2 (what the first run left uncommitted in the spool comes again too, older: exactly once)
+    produced = [e for e in map(json.loads, (run_dir / "ledger" / "rollout-0.jsonl").read_text().splitlines())
+                if e["event"] == "produced" and e["time"] > resumed_at]  # fmt: skip
+    assert produced and all(e["versions"][0] >= 2 for e in produced), [e["versions"] for e in produced]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter_0000024"
+    assert_ledger_ok(run_dir)
 
 
 @pytest.mark.slow
@@ -97,8 +108,8 @@ def test_run_survives_an_engine_killed_mid_run(tiny_hf_dir: Any, tmp_path: Path)
     assert "engine exited with" not in out or "restarted" in out
     assert "restarted (1/5)" in out, out[-4000:]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert records[-1]["version"] == 8
-    syncs = [(r["version"], r.get("sync/version"), r.get("sync/failed")) for r in records]
+    assert records[-1]["weight_version"] == 8
+    syncs = [(r["weight_version"], r.get("sync/version"), r.get("sync/failed")) for r in records]
     assert records[-1].get("sync/version") == 8 and not records[-1].get("sync/failed"), (syncs, out[-6000:])
 
 

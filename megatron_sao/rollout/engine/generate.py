@@ -9,6 +9,7 @@ honour (stop strings, grammars, penalties, n > 1, ...) are rejected with a 400 n
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Any
@@ -47,6 +48,9 @@ def sampling_from_json(sp: dict[str, Any], vocab_size: int) -> SamplingParams:
         elif key not in TEXT_ONLY:
             raise ValueError(f"unknown sampling_params key {key!r}; supported: {sorted(SUPPORTED)}")
     p = SamplingParams(**kwargs)
+    for key in ("temperature", "top_p", "min_p"):  # NaN passes every comparison below: refuse it here
+        if not math.isfinite(getattr(p, key)):
+            raise ValueError(f"sampling_params.{key}={getattr(p, key)!r} must be a finite number")
     if p.temperature < 0 or not 0 < p.top_p <= 1 or not 0 <= p.min_p <= 1 or p.max_new_tokens < 0:
         raise ValueError(f"invalid sampling params {sp}: need temperature >= 0, 0 < top_p <= 1, 0 <= min_p <= 1")
     if p.top_k == 0 or p.top_k < -1:
@@ -74,6 +78,10 @@ class GenerateHandler:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        # The longest text a token can stand for, in bytes: a text longer than context x this cannot fit, and is
+        # refused before it is tokenized (a huge body would otherwise hold a thread for seconds).
+        vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+        self.max_token_bytes = max((len(t.encode()) for t in vocab), default=1) if vocab else 1
 
     def handle(self, body: dict[str, Any]) -> tuple[int, Any]:
         try:
@@ -127,6 +135,13 @@ class GenerateHandler:
                 "this engine serves token-in/token-out (no tokenizer / --skip-tokenizer-init): send input_ids"
             )
         texts = body["text"]
+        limit = self.scheduler.context_len * self.max_token_bytes
+        for t in [texts] if isinstance(texts, str) else texts:
+            if not isinstance(t, str):
+                raise ValueError("text must be a string or a list of strings")
+            if len(t) > limit:  # chars <= bytes: a cheap bound before the exact one
+                raise ValueError(f"The input text ({len(t)} characters) cannot fit the model's context length "
+                                 f"({self.scheduler.context_len} tokens); refused before tokenizing")  # fmt: skip
         encode = lambda t: self.tokenizer(t, add_special_tokens=False)["input_ids"]  # noqa: E731
         return encode(texts) if isinstance(texts, str) else [encode(t) for t in texts]
 

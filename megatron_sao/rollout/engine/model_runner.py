@@ -37,6 +37,20 @@ class SamplingParams:
         return self.temperature < GREEDY_EPS
 
 
+def check_safetensors(path: Path) -> None:
+    """Open every safetensors file's header (cheap; it checks the file is as long as the header says), so a
+    truncated or damaged shard is named before transformers fails on it with a message naming none."""
+    from safetensors import safe_open
+
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except Exception as e:
+            raise ValueError(f"{f} is not a readable safetensors file ({e}): truncated or damaged? re-download or "
+                             "re-convert it") from None  # fmt: skip
+
+
 def load_hf_model(model_dir: str | Path, dtype: str = "auto") -> torch.nn.Module:
     """AutoModelForCausalLM from a local directory, eval mode, no grad. dtype: auto | float32 | bfloat16."""
     from transformers import AutoModelForCausalLM
@@ -47,6 +61,7 @@ def load_hf_model(model_dir: str | Path, dtype: str = "auto") -> torch.nn.Module
     torch_dtype = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
     if torch_dtype is None:
         raise ValueError(f"dtype={dtype!r}; use auto, float32 or bfloat16")
+    check_safetensors(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     model.eval()
     model.requires_grad_(False)

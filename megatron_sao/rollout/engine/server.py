@@ -210,15 +210,41 @@ def _error_body(e: BaseException) -> dict[str, Any]:
     return {"error": {"message": f"{type(e).__name__}: {e}"}}
 
 
+MAX_BODY_BYTES = 64 << 20
+"""Largest request body read (a 128k-token input_ids list is ~1 MB of JSON); more gets 413 unread."""
+
+READ_TIMEOUT_S = 60.0
+"""A client that stops sending mid-request (or never sends) is dropped after this long."""
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    timeout = READ_TIMEOUT_S  # socket timeout of every read and write of the connection
     state: EngineState  # set on the subclass made by make_server
 
     def _serve(self, method: str) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
         try:
-            body = json.loads(raw) if raw.strip() else {}
+            length = int(self.headers.get("Content-Length") or 0)
+            if length < 0:
+                raise ValueError(length)
+        except ValueError:
+            self.close_connection = True
+            self._reply(400, {"error": {"message": f"invalid Content-Length {self.headers.get('Content-Length')!r}"}})
+            return
+        if length > MAX_BODY_BYTES:
+            self.close_connection = True  # the body is never read
+            self._reply(413, {"error": {"message": f"request body of {length} bytes exceeds the engine's limit of "
+                                                   f"{MAX_BODY_BYTES} bytes"}})  # fmt: skip
+            return
+        raw = self.rfile.read(length) if length else b""
+        if len(raw) < length:
+            return  # the client went away mid-body: nothing to answer
+        try:
+            body = json.loads(raw, parse_constant=_no_constants) if raw.strip() else {}
             if not isinstance(body, dict):
                 raise ValueError("the request body must be a JSON object")
         except ValueError as e:
@@ -255,8 +281,10 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("%s " + fmt, self.address_string(), *args)
 
 
-def make_server(state: EngineState, host: str, port: int) -> ThreadingHTTPServer:
-    handler = type("EngineHandler", (_Handler,), {"state": state})
+def make_server(
+    state: EngineState, host: str, port: int, read_timeout_s: float = READ_TIMEOUT_S
+) -> ThreadingHTTPServer:
+    handler = type("EngineHandler", (_Handler,), {"state": state, "timeout": read_timeout_s})
     # the standard library's listen backlog is 5: a burst of concurrent clients got connection resets
     server_cls = type("EngineHTTPServer", (ThreadingHTTPServer,), {"request_queue_size": 1024})
     server = server_cls((host, port), handler)

@@ -81,7 +81,8 @@ class ArithmeticEpisode(Episode):
         return StepResult(done=False, observation=f"<tool_response>{result}</tool_response>")
 
     def reward(self) -> float:
-        return 1.0 if self.final is not None and abs(self.final - self.answer) < 1e-6 else 0.0
+        self.metadata["success"] = self.final is not None and abs(self.final - self.answer) < 1e-6
+        return 1.0 if self.metadata["success"] else 0.0
 
 
 @register

@@ -40,7 +40,8 @@ class Episode(ABC):
     """One rollout's environment state. `messages` is the chat the first turn is generated from."""
 
     messages: list[dict[str, str]]
-    metadata: dict[str, MetadataValue] = field(default_factory=dict)  # copied into the trajectory header
+    metadata: dict[str, MetadataValue] = field(default_factory=dict)  # copied into the trajectory header; "success"
+    # (bool) and "reward/<name>" (numbers) become reward/success_rate and reward/<name> in the learner's metrics
     weight_version: int = 0  # newest weight version among the generated tokens; set by the agent loop before reward()
 
     @abstractmethod

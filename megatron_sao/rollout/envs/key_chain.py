@@ -68,7 +68,8 @@ class KeyChainEpisode(Episode):
 
     def reward(self) -> float:
         self.metadata["lookups"] = self.lookups
-        return 1.0 if self.final == self.answer else 0.0
+        self.metadata["success"] = self.final == self.answer  # reward/success_rate in the learner's metrics
+        return 1.0 if self.metadata["success"] else 0.0
 
 
 @register

@@ -32,7 +32,8 @@ class VerifiableEpisode(Episode):
         return StepResult(done=True)
 
     def reward(self) -> float:
-        return 1.0 if self.given is not None and normalize(self.given) == normalize(self.answer) else 0.0
+        self.metadata["success"] = self.given is not None and normalize(self.given) == normalize(self.answer)
+        return 1.0 if self.metadata["success"] else 0.0
 
 
 _FACTS = [

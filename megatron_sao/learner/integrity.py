@@ -1,0 +1,107 @@
+"""Checkpoint integrity (used by learner/checkpoint.py): a checkpoint is written into a hidden partial directory,
+every file's size and CRC-32 go into its `checksums.json`, and only then is it renamed into place -- so a directory
+named iter_N is always complete, and a save cut by a crash or a full disk leaves only a `.iter_N.partial` that the
+next save of that name removes. Loading verifies the sizes and checksums first (the files spread over the ranks)
+and names the first bad file; a save_dir whose `latest` is damaged falls back to its newest intact checkpoint."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import zlib
+from pathlib import Path
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+CHECKSUMS = "checksums.json"
+CHUNK = 8 << 20
+
+
+class CheckpointIntegrityError(ValueError):
+    """A checkpoint whose files are missing, truncated or changed since they were written."""
+
+
+def partial_dir(path: Path) -> Path:
+    return path.parent / f".{path.name}.partial"
+
+
+def crc32_of(path: Path) -> int:
+    crc = 0
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != CHECKSUMS)
+
+
+def _mine(items: list[Path]) -> list[Path]:
+    """This rank's share of `items` (round robin), so a large checkpoint is hashed by all ranks at once."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    return items[rank::world]
+
+
+def _gather(value: object) -> list[object]:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    out: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def write_checksums(root: Path) -> None:
+    """Collective: every rank hashes its share of root's files; rank 0 writes root/checksums.json."""
+    files = _files(root) if dist.get_rank() == 0 else []
+    files = _broadcast(files)
+    mine = {str(p.relative_to(root)): [p.stat().st_size, crc32_of(p)] for p in _mine(files)}
+    merged: dict[str, list[int]] = {}
+    for part in _gather(mine):
+        merged.update(part)  # type: ignore[arg-type]
+    if dist.get_rank() == 0:
+        (root / CHECKSUMS).write_text(json.dumps(merged, sort_keys=True, indent=0) + "\n")
+
+
+def verify_checksums(root: Path) -> str | None:
+    """Collective: None when every file listed in root/checksums.json is there with its size and checksum (or the
+    checkpoint predates checksums); else what is wrong, naming the file."""
+    listed = root / CHECKSUMS
+    if not listed.is_file():
+        return None if (root / "metadata.json").is_file() else f"{root} has no {CHECKSUMS} and no metadata.json"
+    try:
+        expected: dict[str, list[int]] = json.loads(listed.read_text())
+    except (OSError, ValueError) as e:
+        return f"{listed} is unreadable ({e})"
+    problem = None
+    for name in _mine(sorted(expected)):  # type: ignore[arg-type]
+        path = root / name
+        size, crc = expected[name]
+        if not path.is_file():
+            problem = f"{path} is missing"
+        elif path.stat().st_size != size:
+            problem = f"{path} is truncated or grown: {path.stat().st_size} bytes, {size} written"
+        elif crc32_of(path) != crc:
+            problem = f"{path} does not match its checksum (corrupted after it was written)"
+        if problem:
+            break
+    problems = [p for p in _gather(problem) if p]
+    return str(problems[0]) if problems else None
+
+
+def _broadcast(files: list[Path]) -> list[Path]:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return files
+    box = [files]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def describe_os_error(e: OSError, where: Path) -> str:
+    if e.errno == errno.ENOSPC:
+        return (f"no space left on the device writing the checkpoint to {where} (ENOSPC): free space under "
+                "learner.save_dir or point learner.save_dir elsewhere; the partial checkpoint was removed")  # fmt: skip
+    return f"writing the checkpoint to {where} failed: {e}"

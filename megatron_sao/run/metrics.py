@@ -1,0 +1,210 @@
+"""What a run records, in one place: the metrics schema (every key a learner record may hold, what it means, when it
+is there), where records go (<run_dir>/metrics.jsonl, TensorBoard events under <run_dir>/tensorboard, wandb when
+enabled), and the trajectory ledger (<run_dir>/trajectories.jsonl). docs/run.md's metrics table is schema_table()'s
+output; tests/run/test_metrics.py checks that a run writes every key listed and nothing unlisted."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_sao.bus.schema import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str  # exact, or a pattern with * (fnmatch)
+    when: str  # step | policy | critic | group | push | env | pretrain | final
+    meaning: str
+
+
+WHEN = {
+    "step": "every step record",
+    "policy": "policy steps",
+    "critic": "arms with a critic (sao; value pre-training)",
+    "group": "grpo, grpo_async",
+    "push": "a record whose iteration pushed weights (steps, and pushes between steps)",
+    "env": "environments that report it",
+    "pretrain": "value pre-training steps",
+    "moe": "learner.moe_aux_loss_coeff > 0",
+    "skipped": "steps with nothing trainable",
+}
+
+SCHEMA: tuple[Metric, ...] = (
+    Metric("step", "step", "learner steps so far in the run (value pre-training and policy steps; survives resume)"),
+    Metric("time", "step", "unix time of the record"),
+    Metric("weight_version", "step", "policy version after the step (the version engines get next)"),
+    Metric("reward/mean", "step", "mean reward of the step's trajectories"),
+    Metric("reward/success_rate", "env", "fraction of the step's trajectories whose environment reported success"),
+    Metric("reward/*", "env", "mean of a reward component the environment reports (metadata reward/<name>)"),
+    Metric("trajectories/consumed", "step", "trajectories trained on so far (cumulative; survives resume)"),
+    Metric("tokens/consumed", "step", "tokens (prompt, actions, observations) trained on so far (cumulative)"),
+    Metric("tokens/generated", "step", "action tokens of the step's trajectories: what the engines generated"),
+    Metric("step/tokens", "step", "all tokens of the step's trajectories"),
+    Metric("throughput/tokens_per_s", "step", "tokens/generated / time/step"),
+    Metric("throughput/trajectories_per_s", "step", "step/trajectories / time/step"),
+    Metric("step/trajectories", "step", "trajectories in the step"),
+    Metric("step/action_tokens", "step", "action tokens the learner trained on (after dropping invalid ones)"),
+    Metric("step/invalid_trajectories", "step", "trajectories dropped as untrainable (logged with the reason)"),
+    Metric("step/microbatches", "step", "micro-batches per rank"),
+    Metric("step/version", "step", "the policy version after the step (what the progress line shows)"),
+    Metric("step/skipped", "skipped", "1 when nothing in the step was trainable (the version does not move)"),
+    Metric("step/groups", "group", "prompt groups in the step"),
+    Metric("step/partial_groups", "group", "groups missing samples (always 0: steps take whole groups)"),
+    Metric("staleness/mean", "step", "mean over trajectories of (version - oldest token version)"),
+    Metric("staleness/max", "step", "largest staleness in the step"),
+    Metric("staleness/min", "step", "smallest staleness in the step"),
+    Metric("staleness/versions_in_step", "step", "distinct weight versions among the step's action tokens"),
+    Metric("loss/policy", "policy", "policy loss (DIS: -sum m r A / N)"),
+    Metric("loss/value", "critic", "value loss after the last of the K critic updates"),
+    Metric("loss/value_first", "critic", "value loss of the first critic update (the plateau pre-training watches)"),
+    Metric("dis/*", "policy", "DIS diagnostics: masked fractions (low / high), ratio mean / max, mismatch KL"),
+    Metric("policy/*", "policy", "policy optimizer: grad norm, lr, update_ok"),
+    Metric("value/explained_variance", "critic", "1 - Var(returns - values) / Var(returns)"),
+    Metric("value/*", "critic", "critic diagnostics: clipfrac, returns and value means, grad norm, lr, updates"),
+    Metric("gae/*", "critic", "GAE over action tokens: lambda_policy mean, advantages mean / std, returns mean"),
+    Metric("moe/*", "moe", "MoE router losses per layer (load-balancing aux loss, z-loss), as megatron tracks them"),
+    Metric("pretrain/*", "pretrain", "value pre-training progress: samples, steps, plateau counter, done"),
+    Metric(
+        "sync/reason",
+        "push",
+        "why weights were pushed: interval, retry, engines_changed, deferred, resync, resume, final",
+    ),  # fmt: skip
+    Metric("sync/*", "push", "the push: engines, bytes, buckets, tensors, seconds and time_* phases, failed, peak_mb"),
+    Metric("bus/*", "step", "the trajectory bus: sessions, accepted, rejected by reason, stale dropped, staleness"),
+    Metric("time/step", "step", "wall time of the iteration, waiting included"),
+    Metric("time/wait", "step", "waiting for the step's trajectories"),
+    Metric("time/critic", "critic", "the K critic updates"),
+    Metric("time/policy", "policy", "the policy update"),
+    Metric("time/sync", "step", "weight pushes in the iteration"),
+    Metric("time/checkpoint", "step", "saving a checkpoint in the iteration"),
+)
+
+
+def schema_entry(key: str) -> Metric | None:
+    """The schema entry a written key falls under (exact keys first)."""
+    for m in SCHEMA:
+        if m.key == key:
+            return m
+    return next((m for m in SCHEMA if "*" in m.key and fnmatch.fnmatchcase(key, m.key)), None)
+
+
+def schema_table() -> str:
+    """The schema as the markdown table docs/run.md shows."""
+    rows = ["| key | when | meaning |", "|---|---|---|"]
+    rows += [f"| `{m.key}` | {WHEN[m.when]} | {m.meaning} |" for m in SCHEMA]
+    return "\n".join(rows)
+
+
+def batch_metrics(batch: Sequence[Trajectory]) -> dict[str, float]:
+    """Per-step facts of the trajectories themselves: reward, its components, success, token counts."""
+    n = max(len(batch), 1)
+    out = {
+        "reward/mean": sum(t.header.reward for t in batch) / n,
+        "tokens/generated": float(sum(int(t.action_mask.sum()) for t in batch)),
+        "step/tokens": float(sum(t.header.num_tokens for t in batch)),
+    }
+    success = [t.header.metadata["success"] for t in batch if "success" in t.header.metadata]
+    if success:
+        out["reward/success_rate"] = sum(bool(s) for s in success) / len(success)
+    components: dict[str, list[float]] = {}
+    for t in batch:
+        for k, v in t.header.metadata.items():
+            if k.startswith("reward/") and isinstance(v, (int, float)):
+                components.setdefault(k, []).append(float(v))
+    out.update({k: sum(v) / len(v) for k, v in components.items()})
+    return out
+
+
+class MetricsLog:
+    """Where rank 0's records go: one JSON line each in <run_dir>/metrics.jsonl, every numeric value as a TensorBoard
+    scalar at global step `step` (launch.tensorboard), and to wandb (launch.wandb)."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True, wandb: str | None = None, config: Any = None) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = (run_dir / "metrics.jsonl").open("a")
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.wandb = None
+        if wandb:
+            self.wandb = _start_wandb(run_dir, wandb, config)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        self.file.write(json.dumps(record, sort_keys=True) + "\n")
+        self.file.flush()
+        scalars = {k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
+        step = int(record.get("step", 0))
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, global_step=step, walltime=record.get("time"))
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _start_wandb(run_dir: Path, mode: str, config: Any) -> Any:
+    try:
+        import wandb
+    except ImportError:
+        log.warning("launch.wandb=%s but wandb is not installed (pip install wandb); not logging to wandb", mode)
+        return None
+    return wandb.init(dir=str(run_dir), mode=mode, project="megatron-sao", name=run_dir.name,
+                      config=config.model_dump() if config is not None else None, resume="allow")  # fmt: skip
+
+
+class TrajectoryLedger:
+    """One JSON line per trajectory a step trained on, in <run_dir>/trajectories.jsonl (rank 0): which step (the
+    version after it), its weight versions, tokens, turns and timings (start, finish, generation and tool seconds,
+    arrival at the learner). What the pipeline-efficiency benchmark and the cluster simulator read."""
+
+    def __init__(self, path: Path, start_version: int, pretrain_steps: int) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = path.open("a")
+        # A learner (re)starting from a checkpoint voids what it consumed after that checkpoint: it trains on those
+        # trajectories again (the bus resends them). The ledger check (run/ledger.py) replays these marks.
+        self.file.write(json.dumps({"event": "start", "version": start_version, "pretrain_steps": pretrain_steps,
+                                    "time": time.time()}) + "\n")  # fmt: skip
+        self.file.flush()
+
+    def write(self, batch: Sequence[Trajectory], version: int, pretrain: bool, pretrain_steps: int = 0) -> None:
+        now = time.time()
+        for t in batch:
+            h = t.header
+            acted = t.weight_versions[t.action_mask]
+            self.file.write(json.dumps({
+                "id": h.trajectory_id, "prompt_id": h.prompt_id, "sample": h.sample_index, "worker": h.worker_id,
+                "step_version": version, "pretrain": pretrain, "pretrain_steps": pretrain_steps,
+                "versions": [int(acted.min()), int(acted.max())] if acted.size else None,
+                "tokens": h.num_tokens, "action_tokens": int(t.action_mask.sum()), "turns": len(h.turns),
+                "reward": h.reward, "started_at": h.timings.started_at, "finished_at": h.timings.finished_at,
+                "sent_at": h.timings.sent_at, "trained_at": now, "gen_s": sum(turn.generate_s for turn in h.turns),
+                "tool_s": sum(turn.tool_s for turn in h.turns),
+            }) + "\n")  # fmt: skip
+        self.file.flush()
+
+    def held(self, ids: list[str], version: int, pretrain_steps: int) -> None:
+        """At a checkpoint: the trajectories it holds for groups not yet whole (trained after a resume from it)."""
+        self.file.write(json.dumps({"event": "held", "ids": ids, "version": version, "pretrain_steps": pretrain_steps,
+                                    "time": time.time()}) + "\n")  # fmt: skip
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()

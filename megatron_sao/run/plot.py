@@ -1,0 +1,71 @@
+"""`python -m megatron_sao plot RUN_DIR [RUN_DIR ...] [--out DIR] [--labels A,B]`: PNGs of runs from their
+metrics.jsonl -- reward, DIS masked fraction, staleness, losses, explained variance, throughput -- several runs
+overlaid, each labelled (its directory name unless --labels). The main job writes <run_dir>/reward.png at its end."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+FIGURES: dict[str, tuple[str, tuple[str, ...]]] = {
+    # file stem -> (title, metric keys drawn against the step)
+    "reward": ("reward (mean of the step's trajectories)", ("reward/mean",)),
+    "masked_fraction": ("DIS masked fraction", ("dis/masked_frac", "dis/masked_low_frac", "dis/masked_high_frac")),
+    "staleness": ("staleness (versions behind the learner)", ("staleness/mean", "staleness/max")),
+    "losses": ("losses", ("loss/policy", "loss/value")),
+    "explained_variance": ("critic explained variance", ("value/explained_variance",)),
+    "throughput": ("throughput (generated tokens / s)", ("throughput/tokens_per_s",)),
+}
+
+
+def read_steps(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The step records of a run (pushes between steps left out)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run directory (launch.run_dir)?")
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if "step/trajectories" in r]
+
+
+def plot_runs(
+    run_dirs: Sequence[str | Path], out_dir: str | Path, labels: Sequence[str] | None = None,
+    figures: Sequence[str] | None = None,
+) -> list[Path]:  # fmt: skip
+    """Write one PNG per figure that any run has data for; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(labels) if labels else [Path(d).name for d in run_dirs]
+    if len(labels) != len(run_dirs):
+        raise ValueError(f"{len(labels)} labels for {len(run_dirs)} runs: give one label per run")
+    runs = [(label, read_steps(d)) for label, d in zip(labels, run_dirs, strict=True)]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for stem in figures or list(FIGURES):
+        title, keys = FIGURES[stem]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        drawn = 0
+        for label, steps in runs:
+            for key in keys:
+                points = [(r.get("step", i + 1), r[key]) for i, r in enumerate(steps) if key in r]  # old: no step
+                if points:
+                    xs, ys = zip(*points, strict=True)
+                    name = label if len(keys) == 1 else f"{label}: {key}"
+                    ax.plot(xs, ys, label=name, linewidth=1.2)
+                    drawn += 1
+        if drawn:
+            ax.set_title(title)
+            ax.set_xlabel("learner step")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            path = out / f"{stem}.png"
+            fig.savefig(path, dpi=100)
+            written.append(path)
+        plt.close(fig)
+    return written

@@ -1,0 +1,99 @@
+"""The embedded engine under bad input (what SGLang's server also refuses): a NaN / inf sampling field gets a 400
+for that request only while others keep decoding; a burst of 2x max-running-requests concurrent /generate calls
+gets no connection reset; a body over the size limit is refused unread (413); a client that stops sending is dropped
+after the read timeout; a text that cannot fit the context is refused before it is tokenized."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import http.client
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+from megatron_sao.rollout.client import SGLangClient
+
+
+def _post(url: str, body: bytes, headers: dict[str, str] | None = None, timeout: float = 60.0) -> tuple[int, dict]:
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    try:
+        conn.request("POST", "/generate", body=body, headers={"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        raw = resp.read()
+        return resp.status, json.loads(raw) if raw else {}
+    finally:
+        conn.close()
+
+
+def _generate(max_new_tokens: int = 2, **sampling: object) -> bytes:
+    body = {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": max_new_tokens, **sampling}}
+    return json.dumps(body).encode()
+
+
+def test_a_nan_or_inf_sampling_field_is_refused_for_that_request_only(engine_url: str) -> None:
+    long_one: dict = {}
+    worker = threading.Thread(target=lambda: long_one.update(result=_post(engine_url, _generate(24))))
+    worker.start()
+    time.sleep(0.2)
+    for body in (
+        b'{"input_ids": [1, 2], "sampling_params": {"temperature": NaN}}',  # the JSON constant
+        _generate(temperature="nan"),
+        _generate(top_p="inf"),
+        _generate(min_p=float("-inf")),
+    ):
+        status, out = _post(engine_url, body)
+        assert status == 400, out
+        assert "finite" in out["error"]["message"] or "not a JSON number" in out["error"]["message"]
+    worker.join(timeout=120)
+    status, out = long_one["result"]
+    assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "length"  # untouched by the bad ones
+    assert len(out["output_ids"]) == 24
+
+
+def test_a_burst_of_twice_max_running_requests_gets_no_reset(engine_url: str) -> None:
+    burst = 2 * 64  # the fixture's engine: max_running=64
+    with cf.ThreadPoolExecutor(burst) as pool:
+        results = list(pool.map(lambda _: _post(engine_url, _generate(1)), range(burst)))
+    assert [status for status, _ in results] == [200] * burst
+
+
+def test_an_oversized_body_is_refused_unread(engine_url: str) -> None:
+    u = urlparse(engine_url)
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+        t0 = time.monotonic()
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 10000000000\r\n\r\n{")  # fmt: skip
+        reply = b""
+        while chunk := s.recv(4096):  # the engine answers and closes the connection
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 413") and b"exceeds the engine's limit" in reply
+        assert time.monotonic() - t0 < 5
+    assert SGLangClient(engine_url).health()
+
+
+def test_a_client_that_stops_sending_is_dropped_after_the_read_timeout(tiny_dirs: dict[str, Path]) -> None:
+    from megatron_sao.rollout.engine.server import build_state, make_server
+
+    state = build_state(str(tiny_dirs["qwen3_moe"]), max_running=4)
+    server = make_server(state, "127.0.0.1", 0, read_timeout_s=1.0)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=10) as s:
+            s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")  # 99 bytes never come
+            t0 = time.monotonic()
+            assert s.recv(4096) == b""  # the server closed the connection
+            assert 0.5 < time.monotonic() - t0 < 8
+    finally:
+        server.shutdown()
+        server.server_close()
+        state.scheduler.stop()
+
+
+def test_a_text_that_cannot_fit_is_refused_before_tokenizing(engine_url: str) -> None:
+    body = json.dumps({"text": "word " * 1_000_000, "sampling_params": {"max_new_tokens": 1}}).encode()  # 5 MB
+    status, out = _post(engine_url, body)
+    assert status == 400 and "refused before tokenizing" in out["error"]["message"]  # (tokenizing it took ~8 s)

@@ -1,0 +1,60 @@
+"""Errors that name the file or the field: a truncated safetensors shard (learner / converter and engine), a
+run_dir that cannot be written, tensor parallelism that does not divide the attention or key/value heads."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from megatron_sao.config import ConfigError, load_config
+from tests.run.test_arms import REPO, _cmd, _env
+
+
+def _truncated_copy(hf_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
+    bad = tmp_path / "bad_model"
+    shutil.copytree(hf_dir, bad)
+    (shard,) = bad.glob("*.safetensors")
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    return bad, shard
+
+
+def test_a_truncated_shard_is_named_by_the_learner_loader_and_the_engine(tiny_hf_dir: Any, tmp_path: Path) -> None:
+    from megatron_sao.models.weights import HFCheckpoint, WeightMismatchError
+    from megatron_sao.rollout.engine.model_runner import load_hf_model
+
+    bad, shard = _truncated_copy(Path(tiny_hf_dir("qwen3_moe")), tmp_path)
+    with pytest.raises(WeightMismatchError, match=f"{shard} is not a readable safetensors file.*truncated"):
+        HFCheckpoint(bad)  # what the learner's load_hf and tools/convert_hf_to_megatron.py read through
+    with pytest.raises(ValueError, match=f"{shard} is not a readable safetensors file"):
+        load_hf_model(bad)
+    done = subprocess.run(["python", "tools/convert_hf_to_megatron.py", "--hf", str(bad), "--out",
+                           str(tmp_path / "out"), "--quiet"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env=_env())  # fmt: skip
+    assert done.returncode != 0 and str(shard) in done.stdout + done.stderr
+
+
+def test_an_unwritable_run_dir_is_named(tiny_hf_dir: Any, tmp_path: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    done = subprocess.run(_cmd(tiny_hf_dir("qwen3_moe"), blocker / "run"), cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env=_env())  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"launch.run_dir='{blocker / 'run'}' is not writable" in done.stderr
+
+
+def test_tensor_parallel_must_divide_the_heads(tiny_hf_dir: Any) -> None:
+    hf = str(tiny_hf_dir("qwen3_moe"))  # 4 attention heads, 2 key/value heads
+
+    def check(tp: int) -> None:
+        load_config("examples/tiny_cpu/config.yaml", ["--model.hf_path", hf, "--parallel.tensor", str(tp),
+                                                      "--launch.nproc_per_node", str(tp)])  # fmt: skip
+
+    with pytest.raises(ConfigError, match=r"parallel.tensor=4 does not divide the model's 2 key/value heads"):
+        check(4)  # found when the config is read, not 26 s later inside the ranks
+    with pytest.raises(ConfigError, match=r"parallel.tensor=3 does not divide the model's 4 attention heads"):
+        check(3)
+    check(2)

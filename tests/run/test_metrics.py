@@ -1,0 +1,123 @@
+"""Watching a run: one tiny SAO run (value pre-training, then policy steps) writes every key of the metrics schema
+(run/metrics.py) that applies to it and nothing the schema does not list; its TensorBoard events read back with
+TensorBoard's own reader; `plot` draws non-empty PNGs for one run and two; the progress display falls back to
+plain lines without a TTY; the rollout worker writes its own metrics; wandb offline gets the records; docs/run.md
+shows the schema as the code has it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from megatron_sao.run.display import StepDisplay
+from megatron_sao.run.metrics import SCHEMA, schema_entry, schema_table
+from tests.run.test_arms import REPO, _cmd, _env, assert_ledger_ok
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_hf_dir: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("metrics") / "run"
+    cmd = _cmd(tiny_hf_dir("qwen3_moe"), run_dir, "--learner.max_steps", "3", "--algo.value.pretrain_samples", "8",
+               "--learner.trajectories_per_step", "4", "--rollout.log_interval_s", "1")  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=_env())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"reward plot: {run_dir / 'reward.png'}" in done.stdout and "generated tokens/s" in done.stdout
+    assert_ledger_ok(run_dir)
+    return run_dir
+
+
+def _records(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.multiproc
+def test_every_schema_key_is_written_and_nothing_else(run_dir: Path) -> None:
+    records = _records(run_dir)
+    written = {k for r in records for k in r}
+    unlisted = sorted(k for k in written if schema_entry(k) is None)
+    assert not unlisted, f"written but not in run/metrics.py SCHEMA: {unlisted}"
+    for m in SCHEMA:
+        if m.when in ("step", "policy", "critic", "push", "pretrain"):  # what a sao run with pre-training has
+            hit = [k for k in written if schema_entry(k) is m]
+            assert hit, f"{m.key} ({m.when}) is in the schema but this run never wrote it"
+    steps = [r for r in records if "step/trajectories" in r]
+    assert [r["step"] for r in steps] == list(range(1, len(steps) + 1))  # pre-training steps count too
+    assert [r["trajectories/consumed"] for r in steps] == [4 * (i + 1) for i in range(len(steps))]
+    assert all(r["tokens/consumed"] > r["tokens/generated"] > 0 for r in steps)
+    policy_steps = [r for r in steps if r["weight_version"] > 0]
+    assert [r["sync/reason"] for r in policy_steps] == ["interval"] * 3  # weight_sync.interval 1: after every step
+    assert sum("pretrain/samples" in r for r in steps) == 2 and steps[-1]["weight_version"] == 3
+
+
+@pytest.mark.multiproc
+def test_tensorboard_events_hold_the_reward(run_dir: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert "reward/mean" in tags and "loss/value" in tags and "dis/masked_frac" in tags
+    reward = events.Scalars("reward/mean")
+    steps = [r for r in _records(run_dir) if "step/trajectories" in r]
+    assert [e.step for e in reward] == [r["step"] for r in steps]
+    assert [round(e.value, 5) for e in reward] == [round(r["reward/mean"], 5) for r in steps]
+
+
+@pytest.mark.multiproc
+def test_plot_writes_pngs_for_one_and_two_runs(run_dir: Path, tmp_path: Path) -> None:
+    assert (run_dir / "reward.png").stat().st_size > 1000  # the run drew it at its end
+    for runs, labels in (([run_dir], []), ([run_dir, run_dir], ["--labels", "a,b"])):
+        out = tmp_path / f"plots{len(runs)}"
+        done = subprocess.run([sys.executable, "-m", "megatron_sao", "plot", *map(str, runs), "--out", str(out),
+                               *labels], cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        pngs = sorted(p.name for p in out.glob("*.png"))
+        assert pngs == sorted(["reward.png", "masked_fraction.png", "staleness.png", "losses.png",
+                               "explained_variance.png", "throughput.png"])  # fmt: skip
+        assert all((out / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out / p).stat().st_size > 1000 for p in pngs)
+    bad = subprocess.run([sys.executable, "-m", "megatron_sao", "plot", str(tmp_path / "nothing")], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "metrics.jsonl does not exist" in bad.stderr
+
+
+@pytest.mark.multiproc
+def test_the_rollout_worker_writes_its_own_metrics(run_dir: Path) -> None:
+    lines = (run_dir / "rollout_metrics_rollout-0.jsonl").read_text().splitlines()
+    last = json.loads(lines[-1])
+    assert last["worker"] == "rollout-0" and last["rollout/trajectories"] > 0
+    for key in ("rollout/turns_mean", "rollout/episode_tokens_mean", "rollout/engine_latency_s_mean",
+                "rollout/tool_calls_mean", "rollout/failed"):  # fmt: skip
+        assert key in last
+    assert any(k.startswith("engine/http://") and k.endswith("/requests") for k in last)
+
+
+def test_the_display_is_plain_lines_without_a_tty(capsys: pytest.CaptureFixture[str]) -> None:
+    display = StepDisplay(max_steps=5, start=0, mode="auto")  # pytest's stdout is not a terminal
+    display.step({"weight_version": 1, "reward/mean": 0.5}, "step 1/5 | reward 0.500")
+    display.close()
+    assert capsys.readouterr().out == "[learner] step 1/5 | reward 0.500\n"
+    live = StepDisplay(max_steps=5, start=0, mode="rich")  # forced: updates the bar, prints no step line
+    live.step({"weight_version": 2, "reward/mean": 0.25, "dis/masked_frac": 0.1}, "step 2/5")
+    assert live.progress.tasks[0].completed == 2 and "masked 0.100" in live.progress.tasks[0].fields["facts"]
+    live.close()
+
+
+def test_wandb_offline_gets_the_records(tmp_path: Path) -> None:
+    from megatron_sao.run.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path, tensorboard=False, wandb="offline")
+    for i in range(3):
+        log.write({"step": i + 1, "time": 0.0, "reward/mean": 0.1 * i, "sync/reason": "interval"})
+    log.close()
+    (run,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    assert b"reward/mean" in run.read_bytes()  # the history records, in wandb's own offline format
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_docs_show_the_schema_the_code_has() -> None:
+    assert schema_table() in (REPO / "docs" / "run.md").read_text(), "paste run.metrics.schema_table() into docs/run.md"
