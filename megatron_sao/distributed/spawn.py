@@ -199,3 +199,29 @@ def _collect(procs: list[Any], results: Any, release: Any, logdir: Path, timeout
     for p in procs:
         p.join(timeout=30)
     return [values[r] for r in range(world_size)]
+
+
+DIE_WITH_PARENT = "SAO_DIE_WITH_PARENT"
+"""Set in the environment of the processes a local run starts: they end when the run's process dies."""
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a process a local launcher starts (engines, rollout workers): it dies with the launcher."""
+    return {**os.environ, DIE_WITH_PARENT: "1"}
+
+
+def die_with_parent_if_asked() -> None:
+    """Called first by the engine and rollout commands: when started by a local run (DIE_WITH_PARENT), ask Linux for
+    SIGTERM when the parent dies, even by SIGKILL, so no engine or worker outlives its run (a leftover would hold the
+    ports and answer the next run); a parent already gone means exit now."""
+    import ctypes
+    import signal
+    import sys
+
+    if os.environ.get(DIE_WITH_PARENT) != "1" or not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before the request was made
+        raise SystemExit(1)

@@ -34,6 +34,9 @@ class StoppableSink:
 
 
 def main(argv: list[str]) -> int:
+    from megatron_sao.distributed.spawn import die_with_parent_if_asked
+
+    die_with_parent_if_asked()  # started by a local run: end with it
     p = argparse.ArgumentParser(prog="python -m megatron_sao rollout")
     p.add_argument("config", help="the run's YAML/TOML config")
     p.add_argument("--engines", required=True, help="comma-separated engine URLs (http://HOST:PORT)")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_sao.config.rollout import RolloutConfig
+from megatron_sao.distributed.spawn import child_env
 from megatron_sao.rollout.client import SGLangClient
 
 
@@ -116,7 +117,8 @@ def launch(commands: list[tuple[str, list[str]]], log_dir: str | Path) -> list[E
     for i, (url, cmd) in enumerate(commands):
         log_path = Path(log_dir) / f"engine_{i}.log"
         with open(log_path, "wb") as out:
-            procs.append(EngineProcess(url, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT), log_path))
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env())
+            procs.append(EngineProcess(url, proc, log_path))
     return procs
 
 

@@ -21,13 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from megatron_sao.config.tree import SAOConfig
+from megatron_sao.distributed.spawn import child_env
 from megatron_sao.rollout import sglang_launcher as engines
 
 log = logging.getLogger(__name__)
 
 
 def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
+    env = child_env()
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
@@ -157,7 +158,8 @@ class Supervisor(threading.Thread):
             for i, p in enumerate(self.procs):
                 if p.proc.poll() is not None and self._may_restart(p.url, p.proc.returncode, p.log_tail(20)):
                     with open(p.log_path, "ab") as out:
-                        proc = subprocess.Popen(self.commands[p.url], stdout=out, stderr=subprocess.STDOUT)
+                        proc = subprocess.Popen(self.commands[p.url], stdout=out, stderr=subprocess.STDOUT,
+                                                env=child_env())  # fmt: skip
                     self.procs[i] = engines.EngineProcess(p.url, proc, p.log_path)
             if self.workers and self.workers[-1].poll() is not None:
                 tail = (self.logs / "rollout.log").read_text(errors="replace").splitlines()[-20:]

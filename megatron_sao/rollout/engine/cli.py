@@ -34,6 +34,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
+    from megatron_sao.distributed.spawn import die_with_parent_if_asked
+
+    die_with_parent_if_asked()  # started by a local run: end with it
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import torch
