@@ -124,6 +124,7 @@ def _run(ns: argparse.Namespace, rest: list[str]) -> int:
     if loaded is None:
         return 2
     cfg, args, overrides = loaded
+    from megatron_sao.learner.errors import NonFiniteTraining
     from megatron_sao.rollout.sglang_launcher import EngineStartError
 
     try:
@@ -143,6 +144,9 @@ def _run(ns: argparse.Namespace, rest: list[str]) -> int:
     except (ValueError, EngineStartError) as e:  # a setting to fix (named in the message) or an engine that failed
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteTraining as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     from megatron_sao.run.plot import plot_runs
     from megatron_sao.run.summary import describe, summarize
 
@@ -196,10 +200,15 @@ def _learn(ns: argparse.Namespace, rest: list[str]) -> int:
     if loaded is None:
         return 2
     cfg, args, _ = loaded
+    from megatron_sao.learner.errors import NonFiniteTraining
     from megatron_sao.run.learn import learn
 
     urls = [u for u in args.engines.split(",") if u] or list(cfg.rollout.engine_urls)
-    summary = learn(cfg, urls)
+    try:
+        summary = learn(cfg, urls)
+    except NonFiniteTraining as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if os.environ.get("RANK", "0") == "0":
         print(f"[learner] done: {summary}", flush=True)
     return 0  # also after a clean stop (SIGTERM / STOP): it checkpointed; the log says "stopped by"

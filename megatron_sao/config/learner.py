@@ -95,6 +95,11 @@ class LearnerConfig(Section):
     seed: int = 1234
     """Seed for parameter init, dropout and data order."""
 
+    max_nonfinite_updates: int = Field(default=5, ge=1)
+    """An optimizer step whose gradients hold NaN/Inf is skipped (weights unchanged) and counted
+    (policy/nonfinite_updates, value/nonfinite_updates); this many in a row for one model stop the run with a message
+    (the checkpoints before are intact)."""
+
     @model_validator(mode="after")
     def _check(self) -> LearnerConfig:
         for role in ("policy", "value"):

@@ -32,6 +32,7 @@ from megatron_sao.bus.schema import Trajectory
 from megatron_sao.config.parallel import ParallelConfig
 from megatron_sao.config.tree import SAOConfig
 from megatron_sao.learner.batch import StepBatch, check_trainable, make_step_batch, select, shard_for_data_parallel
+from megatron_sao.learner.errors import NonFiniteTraining
 from megatron_sao.learner.forward import collect_values
 from megatron_sao.learner.metrics import all_reduce_scalar, explained_variance, holds_outputs, reduce_metrics
 from megatron_sao.learner.packing import MicroBatch, pack_microbatches, plan_microbatches
@@ -105,6 +106,8 @@ class Learner:
         self.version = 0
         """Policy weight version: the number of policy optimizer steps taken (engines tag tokens with it)."""
         self.trajectories_trained = 0
+        self.nonfinite_total: dict[str, int] = {}  # optimizer steps skipped for NaN/Inf gradients, per model
+        self.nonfinite_in_a_row: dict[str, int] = {}
         self.running_mean = RunningMeanBaseline(algo.running_mean.window) if algo.name == "running_mean" else None
         if dist.get_rank() == 0:
             for role in (self.policy, self.value):
@@ -249,6 +252,7 @@ class Learner:
             self.spec.vocab_size,
         )  # fmt: skip
         plan.metrics.update(reduce_metrics(results))
+        plan.metrics.update(self._nonfinite("policy", ok))
         plan.metrics.update(
             {
                 "policy/grad_norm": grad_norm,
@@ -290,12 +294,25 @@ class Learner:
             if k == 0:
                 metrics["loss/value_first"] = reduced["loss/value"]
             metrics.update(reduced)
-            metrics.update({"value/grad_norm": grad_norm, "value/update_ok": float(ok)})
+            metrics.update({"value/grad_norm": grad_norm, "value/update_ok": float(ok), **self._nonfinite("value", ok)})
         metrics["value/updates"] = float(algo.value.updates_per_policy_step)
         metrics["value/lr"] = self.value.current_lr()
         return advantages if advantages is not None else torch.zeros_like(old_values)
 
     # ------------------------------------------------------------------ helpers
+
+    def _nonfinite(self, role: str, ok: bool) -> dict[str, float]:
+        """Count optimizer steps megatron skipped for NaN/Inf gradients; too many in a row is an error."""
+        self.nonfinite_total[role] = self.nonfinite_total.get(role, 0) + (not ok)
+        self.nonfinite_in_a_row[role] = 0 if ok else self.nonfinite_in_a_row.get(role, 0) + 1
+        limit = self.cfg.learner.max_nonfinite_updates
+        if self.nonfinite_in_a_row[role] >= limit:
+            raise NonFiniteTraining(
+                f"{limit} {role} updates in a row had NaN/Inf gradients (learner.max_nonfinite_updates={limit}); the "
+                f"{role} weights have not changed since: lower learner.{role}.lr, check the rewards, or resume from "
+                "the last checkpoint"
+            )
+        return {f"{role}/nonfinite_updates": float(self.nonfinite_total[role])}
 
     def _microbatches(self, batch: StepBatch) -> list[MicroBatch]:
         """Pack this rank's shard; every rank runs as many micro-batches as the busiest one (EP all-to-alls)."""
