@@ -1,7 +1,8 @@
 """The Slurm path for real, on a local cluster of three slurmd nodes (tests/launch/slurm_cluster.py):
 `./launch.sh submit` of the tiny example puts the learner (torchrun, 2 ranks) on n1, the engine on n2 and the rollout
 worker on n3; the job completes, the learner reaches its steps and pushed its weights to the engine on the other
-node. Then `scancel` mid-run: the learner checkpoints on the way out and a resubmission resumes from it."""
+node. Then `scancel` mid-run: the learner checkpoints on the way out and a resubmission resumes from it. And an
+engine that dies beyond launch.max_restarts stops the run, after the learner checkpointed."""
 
 from __future__ import annotations
 
@@ -111,3 +112,30 @@ def test_scancel_checkpoints_and_a_resubmission_resumes(cluster: dict[str, str],
 
     report = check_ledger(run_dir)  # across scancel and the resubmission
     assert report.ok and report.produced > 0, report.describe()
+
+
+def test_a_step_beyond_its_restart_budget_stops_the_run_after_a_checkpoint(
+    cluster: dict[str, str], model: Path, tmp_path: Path
+) -> None:
+    import psutil
+
+    run_dir = tmp_path / "run"
+    args = [*_args(model, run_dir, 400), "--launch.max_restarts", "0"]
+    port = args[args.index("--rollout.base_port") + 1]
+    job, code, said = _submit(cluster, args, wait=False)
+    assert code == 0, said
+    deadline = time.monotonic() + 240
+    while len(_steps(run_dir)) < 2:
+        assert time.monotonic() < deadline, _output(run_dir, job)[-4000:]
+        time.sleep(0.5)
+    cmds = [(p, p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])]
+    (engine,) = [p for p, c in cmds if c and "srun" not in c[0] and "engine" in c and port in c]  # not its srun
+    engine.kill()  # the engine on n2 dies; launch.max_restarts=0: no restart
+    while subprocess.run(["squeue", "-h", "-j", str(job)], env=cluster, capture_output=True, text=True).stdout.strip():
+        assert time.monotonic() < deadline + 120, "the job did not end after its engine died"
+        time.sleep(0.5)
+    out = _output(run_dir, job)
+    assert "engine-0 exited with" in out and "after 0 restart(s) (launch.max_restarts); stopping the run" in out, out
+    assert "stop requested" in out and "stopped by SIGTERM" in out  # the learner checkpointed on the way out
+    last = _steps(run_dir)[-1]["weight_version"]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"iter_{last:07d}"
