@@ -18,6 +18,7 @@ import pytest
 
 from megatron_sao.models.tiny import make_tiny_model
 from tests.launch.slurm_cluster import SlurmUnavailable, _free_ports, local_cluster
+from tests.run.test_arms import assert_ledger_ok
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.multiproc
@@ -58,6 +59,20 @@ def _output(run_dir: Path, job: int) -> str:
     return (run_dir / "logs" / f"slurm-{job}.out").read_text(errors="replace")
 
 
+def _wait_for_steps(run_dir: Path, job: int, n: int, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(_steps(run_dir)) < n:
+        assert time.monotonic() < deadline, _output(run_dir, job)[-4000:]
+        time.sleep(0.5)
+
+
+def _wait_until_gone(cluster: dict[str, str], job: int, why: str, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while subprocess.run(["squeue", "-h", "-j", str(job)], env=cluster, capture_output=True, text=True).stdout.strip():
+        assert time.monotonic() < deadline, f"the job did not end after {why}"
+        time.sleep(0.5)
+
+
 def _steps(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "metrics.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
@@ -87,14 +102,9 @@ def test_scancel_checkpoints_and_a_resubmission_resumes(cluster: dict[str, str],
     args = _args(model, run_dir, 400)
     job, code, said = _submit(cluster, args, wait=False)
     assert code == 0, said
-    deadline = time.monotonic() + 240
-    while len(_steps(run_dir)) < 3:
-        assert time.monotonic() < deadline, _output(run_dir, job)[-4000:]
-        time.sleep(0.5)
+    _wait_for_steps(run_dir, job, 3)
     subprocess.run(["scancel", str(job)], env=cluster, check=True)
-    while subprocess.run(["squeue", "-h", "-j", str(job)], env=cluster, capture_output=True, text=True).stdout.strip():
-        assert time.monotonic() < deadline + 120, "the job did not end after scancel"
-        time.sleep(0.5)
+    _wait_until_gone(cluster, job, "scancel")
     out = _output(run_dir, job)
     last = _steps(run_dir)[-1]["weight_version"]
     assert "stopped by SIGTERM" in out, out[-4000:]
@@ -108,10 +118,7 @@ def test_scancel_checkpoints_and_a_resubmission_resumes(cluster: dict[str, str],
     assert f"resumed from {run_dir / 'checkpoints'} at version {last}" in out2
     assert f"waiting for the learner to push version {last}" in out2
     assert [r["weight_version"] for r in _steps(run_dir)][-3:] == [last, last + 1, last + 2]
-    from megatron_sao.run.ledger import check_ledger
-
-    report = check_ledger(run_dir)  # across scancel and the resubmission
-    assert report.ok and report.produced > 0, report.describe()
+    assert_ledger_ok(run_dir)  # across scancel and the resubmission
 
 
 def test_a_step_beyond_its_restart_budget_stops_the_run_after_a_checkpoint(
@@ -124,16 +131,11 @@ def test_a_step_beyond_its_restart_budget_stops_the_run_after_a_checkpoint(
     port = args[args.index("--rollout.base_port") + 1]
     job, code, said = _submit(cluster, args, wait=False)
     assert code == 0, said
-    deadline = time.monotonic() + 240
-    while len(_steps(run_dir)) < 2:
-        assert time.monotonic() < deadline, _output(run_dir, job)[-4000:]
-        time.sleep(0.5)
+    _wait_for_steps(run_dir, job, 2)
     cmds = [(p, p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])]
     (engine,) = [p for p, c in cmds if c and "srun" not in c[0] and "engine" in c and port in c]  # not its srun
     engine.kill()  # the engine on n2 dies; launch.max_restarts=0: no restart
-    while subprocess.run(["squeue", "-h", "-j", str(job)], env=cluster, capture_output=True, text=True).stdout.strip():
-        assert time.monotonic() < deadline + 120, "the job did not end after its engine died"
-        time.sleep(0.5)
+    _wait_until_gone(cluster, job, "its engine died")
     out = _output(run_dir, job)
     assert "engine-0 exited with" in out and "after 0 restart(s) (launch.max_restarts); stopping the run" in out, out
     assert "stop requested" in out and "stopped by SIGTERM" in out  # the learner checkpointed on the way out
