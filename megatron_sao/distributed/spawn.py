@@ -12,6 +12,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import random
 import shutil
 import socket
 import sys
@@ -34,16 +35,42 @@ _handed_out_lock = threading.Lock()
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now and not handed out before by this process (concurrent callers, e.g. two jobs
-    spawned side by side, would otherwise race for the same one)."""
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = int(s.getsockname()[1])
+    """A port free right now, outside the kernel's ephemeral range and not handed out before by this process.
+
+    The port is bound later by another process (an engine, the bus, a rendezvous store), seconds after it was
+    chosen. A port from the ephemeral range (what binding port 0 returns) can be taken in between by any
+    outgoing connection on the machine, so the choice is made outside that range, where only explicit binds
+    go; the handed-out set keeps concurrent callers of this process (two jobs spawned side by side) apart."""
+    pick = random.Random(os.getpid() ^ time.time_ns())
+    first, last = _explicit_bind_range()
+    for _ in range(1000):
+        if first > last:  # the ephemeral range covers everything: the kernel's choice is all there is
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+                port = int(s.getsockname()[1])
+        else:
+            port = pick.randint(first, last)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
         with _handed_out_lock:
             if port not in _handed_out:
                 _handed_out.add(port)
                 return port
+    raise RuntimeError(f"no free port on {host} in {first}..{last} after 1000 tries")
+
+
+def _explicit_bind_range() -> tuple[int, int]:
+    """Ports outside the kernel's range for outgoing connections (Linux's ip_local_port_range, else IANA's)."""
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 49152, 65535
+    if low > 21000:
+        return 20000, low - 1
+    return high + 1, 65535  # empty when the ephemeral range reaches the top
 
 
 @contextlib.contextmanager

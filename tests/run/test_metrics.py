@@ -114,6 +114,9 @@ def test_wandb_offline_gets_the_records(tmp_path: Path) -> None:
     for i in range(3):
         log.write({"step": i + 1, "time": 0.0, "reward/mean": 0.1 * i, "sync/reason": "interval"})
     log.close()
+    import wandb
+
+    wandb.teardown()  # waits for wandb's service process to exit: its writer buffers the run file until then
     (run,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     assert b"reward/mean" in run.read_bytes()  # the history records, in wandb's own offline format
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
