@@ -206,6 +206,11 @@ class TrajectorySender:
         with self._outbox.cv:
             return self._wait(lambda: not self._outbox.entries, deadline, None)
 
+    @property
+    def durable(self) -> bool:
+        """Whether a sent trajectory survives this process's crash (it is spooled) before the learner commits it."""
+        return self._spool is not None
+
     def pending_ids(self) -> list[str]:
         """Ids of trajectories sent (or spooled) but not yet committed, oldest first."""
         with self._outbox.cv:

@@ -11,7 +11,7 @@ import threading
 from typing import Any
 
 from megatron_sao.config import ConfigError, load_config
-from megatron_sao.rollout.worker import Undelivered
+from megatron_sao.rollout.worker import Undelivered, WorkerIdInUse
 
 
 class StoppableSink:
@@ -31,6 +31,10 @@ class StoppableSink:
                 if self.stop.is_set():
                     self.dropped += 1
                     raise Undelivered("the run is stopping and the bus is full") from None
+
+    def volatile_ids(self) -> set[str]:
+        """Sent, not yet committed and not spooled: lost if this process dies now (bus.spool_dir unset)."""
+        return set() if self.sender.durable else set(self.sender.pending_ids())
 
 
 def main(argv: list[str]) -> int:
@@ -65,16 +69,25 @@ def main(argv: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     urls = [u for u in args.engines.split(",") if u]
-    sender = TrajectorySender(cfg.bus, args.worker_id)
+    try:
+        sender = TrajectorySender(cfg.bus, args.worker_id)
+    except ValueError as e:  # its spool is held by a live worker of the same id
+        print(f"error: {e}")
+        return 2
     try:
         sink = StoppableSink(sender, stop)
         worker = worker_from_config(cfg, sink, urls, worker_id=args.worker_id, shard=(shard[0], shard[1]))
-        status = worker.run(max_prompts=args.max_prompts, stop=stop)
+        try:
+            status = worker.run(max_prompts=args.max_prompts, stop=stop)
+        except WorkerIdInUse as e:
+            print(f"error: {e}")
+            return 2
         logging.getLogger(__name__).info(
             "rollout worker %s done: %s; %d finished trajectories not delivered (stopped while the bus was full)",
             args.worker_id, status, sink.dropped,
         )  # fmt: skip
         sender.flush(timeout_s=5.0 if stop.is_set() else 60.0)
+        worker.close()  # what the learner committed during the flush is done in the saved cursor
     finally:
         sender.close()
     return 0

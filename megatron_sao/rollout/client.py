@@ -59,6 +59,13 @@ class EngineInternalError(EngineError):
     note = " (engine failed handling the request; not resent)"
 
 
+class EngineMalformedResponse(EngineInternalError):
+    """A 2xx answer that is not what the protocol says (unparseable JSON, a /generate answer missing its fields):
+    the engine is broken; the router takes it out of rotation and re-issues the turn on another engine."""
+
+    note = " (malformed answer from the engine)"
+
+
 class EngineUnavailable(ConnectionError):
     """The engine could not be reached (refused, reset, died mid-request), after the retries."""
 
@@ -118,7 +125,13 @@ class SGLangClient:
         finally:
             conn.close()
         ctype = resp.getheader("Content-Type", "")
-        return resp.status, json.loads(raw) if raw and "json" in ctype else raw.decode(errors="replace")
+        if not raw or "json" not in ctype:
+            return resp.status, raw.decode(errors="replace")
+        try:
+            return resp.status, json.loads(raw)
+        except ValueError as e:
+            text = raw[:200].decode(errors="replace")
+            raise EngineMalformedResponse(self.url, resp.status, f"{path}: unparseable JSON ({e}): {text!r}") from e
 
     def request(
         self,
@@ -174,17 +187,20 @@ class SGLangClient:
         except TimeoutError as e:
             self._abort_quietly(rid)
             raise EngineTimeout(f"{self.url}: request {rid} exceeded {timeout:.1f}s; aborted it") from e
-        return P.parse_generate_response(out)
+        try:
+            return P.parse_generate_response(out)
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+            raise EngineMalformedResponse(self.url, 200, f"{P.GENERATE}: {e!r} in {str(out)[:200]!r}") from e
 
     def _abort_quietly(self, rid: str) -> None:
-        try:
-            self.abort(rid)
+        try:  # best effort, kept short: the engine that just timed out may be hung, and the turn waits to fail over
+            self.abort(rid, timeout_s=2.0)
         except (OSError, EngineError) as e:  # the engine may be gone; the timeout is what gets reported
             log.warning("abort of %s on %s failed: %r", rid, self.url, e)
 
-    def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+    def abort(self, rid: str | None = None, *, abort_all: bool = False, timeout_s: float = 10.0) -> None:
         body = {"rid": rid or "", "abort_all": abort_all}
-        self.request("POST", P.ABORT_REQUEST, body, timeout_s=10.0)
+        self.request("POST", P.ABORT_REQUEST, body, timeout_s=timeout_s)
 
     # ---- status -------------------------------------------------------------------------------------------------
     def health(self, timeout_s: float = 5.0) -> bool:
@@ -414,7 +430,7 @@ class EngineRouter:
             tried.add(client.url)
             try:
                 result = client.generate(input_ids, sampling_params, timeout_s=timeout_s)
-            except (EngineUnavailable, EngineTimeout) as e:
+            except (EngineUnavailable, EngineTimeout, EngineMalformedResponse) as e:
                 log.warning("engine %s failed (%s); re-issuing on another engine", client.url, e)
                 self._done(client, ok=False)
                 continue

@@ -95,13 +95,17 @@ class PromptCursor:
             del self._pending[key]
             self.completed += 1
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, not_durable: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
+        """`not_durable`: completed keys whose trajectories could still be lost (sent without a spool, not yet
+        committed by the learner): saved as pending, so a crash re-issues them instead of marking them done."""
         with self._lock:
+            pending = [*self._redo, *self._pending]
+            redo = [k for k in not_durable if k not in self._pending and k not in self._redo]
             return {
                 "epoch": self._epoch,
                 "index": self._index,
-                "pending": [*self._redo, *self._pending],
-                "completed": self.completed,
+                "pending": [*pending, *sorted(redo)],
+                "completed": self.completed - len(redo),
                 "num_records": len(self.records),
                 "shuffle_seed": self.shuffle_seed,
             }
@@ -115,9 +119,9 @@ class PromptCursor:
             self._pending = {}
             self.completed = int(state["completed"])
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, not_durable: set[str] | frozenset[str] = frozenset()) -> None:
         tmp = f"{path}.tmp"
-        Path(tmp).write_text(json.dumps(self.state_dict()))
+        Path(tmp).write_text(json.dumps(self.state_dict(not_durable)))
         os.replace(tmp, path)
 
     def load(self, path: str | Path) -> bool:

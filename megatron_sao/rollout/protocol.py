@@ -21,6 +21,7 @@ Per-token facts of a finished /generate response:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,6 +158,8 @@ def parse_generate_response(body: dict[str, Any], *, expect_logprobs: bool = Tru
         for i, (lp, tok, *_) in enumerate(entries):
             if int(tok) != ids[i]:
                 raise ValueError(f"output_token_logprobs[{i}] is for token {tok}, output_ids[{i}] is {ids[i]}")
+            if not math.isfinite(float(lp)):
+                raise ValueError(f"output_token_logprobs[{i}] is {lp}: a sampled token has a finite log-probability")
             logprobs.append(float(lp))
     reason = meta.get("finish_reason")
     if isinstance(reason, str):  # very old servers

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import fcntl
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -46,9 +48,14 @@ RETRYABLE = (NoHealthyEngine, EpisodeAborted, EngineUnavailable, EngineTimeout, 
 class TrajectorySink(Protocol):
     """Where finished trajectories go; the bus TrajectorySender satisfies it. A sink that gives a trajectory up (the
     run is stopping while the bus is full) raises Undelivered: its prompt is then not marked done, and is
-    re-issued by the next run."""
+    re-issued by the next run. A sink whose trajectories are not durable once sent (a bus without a spool, until the
+    learner commits them) also has `volatile_ids() -> set[str]`: the cursor saves their prompts as pending."""
 
     def send(self, traj: Trajectory) -> None: ...
+
+
+class WorkerIdInUse(ValueError):
+    """Another live worker holds this worker id's cursor file."""
 
 
 class Undelivered(RuntimeError):
@@ -185,6 +192,8 @@ class RolloutWorker:
         self._ledger_lock = threading.Lock()
         self._undelivered: set[str] = set()  # prompts a sample of which the sink gave up
         self._sent: set[tuple[str, int]] = set()
+        self._sent_keys: dict[str, str] = {}  # trajectory id -> prompt key, while the sink may still lose it
+        self._state_lock_fd = -1
         self._remaining: dict[str, int] = {}  # prompt key -> samples not pushed yet
         self._backoff: list[_Task] = []  # re-issued tasks waiting out their back-off (never slept on the run thread)
         self._health_pool: cf.ThreadPoolExecutor | None = None  # engine probes, off the run thread
@@ -199,9 +208,48 @@ class RolloutWorker:
         if cfg.state_path:
             cursor.load(cfg.state_path)
 
+    def _hold_state(self) -> None:
+        """One live worker per cursor file: a second worker with the same id would interleave their saves."""
+        assert self.cfg.state_path
+        lock = Path(f"{self.cfg.state_path}.lock")
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise WorkerIdInUse(
+                f"rollout worker {self.cfg.worker_id!r}: its cursor {self.cfg.state_path} is held by a live worker "
+                f"(pid {holder}); give each worker its own --worker-id, or stop pid {holder}"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._state_lock_fd = fd
+
+    def close(self) -> None:
+        """Save the cursor (what the learner committed since is now done) and let another worker take it."""
+        self.save_state()
+        self._release_state()
+
+    def _release_state(self) -> None:
+        if self._state_lock_fd >= 0:
+            fcntl.flock(self._state_lock_fd, fcntl.LOCK_UN)
+            os.close(self._state_lock_fd)
+            self._state_lock_fd = -1
+
     def run(self, max_prompts: int | None = None, stop: threading.Event | None = None) -> dict[str, Any]:
-        """Roll out until the cursor is exhausted, `max_prompts` prompts were taken, or `stop` is set."""
-        stop = stop or threading.Event()
+        """Roll out until the cursor is exhausted, `max_prompts` prompts were taken, or `stop` is set. Holds the
+        cursor file (one live worker per id) until close()."""
+        if self.cfg.state_path and self._state_lock_fd < 0:
+            self._hold_state()
+        try:
+            return self._run(max_prompts, stop or threading.Event())
+        except BaseException:
+            self._release_state()  # as the process's death would; what was saved along the way stands
+            raise
+
+    def _run(self, max_prompts: int | None, stop: threading.Event) -> dict[str, Any]:
         queue: list[_Task] = []
         self._backoff = []
         taken = 0
@@ -300,6 +348,10 @@ class RolloutWorker:
             assert ident not in self._sent, f"{ident} would be pushed twice"
             self._sent.add(ident)
         h = traj.header
+        self._ledger({"event": "sending", "id": h.trajectory_id, "prompt": key, "worker": h.worker_id})
+        if hasattr(self.sink, "volatile_ids"):
+            with self._lock:
+                self._sent_keys[h.trajectory_id] = key
         try:
             self.sink.send(traj)
         except Undelivered:
@@ -365,7 +417,7 @@ class RolloutWorker:
             self.cursor.complete(key)
             self._ledger({"event": "prompt_done", "prompt": key, "worker": self.cfg.worker_id})
             self.metrics.prompts_done += 1
-            self._save_cursor()
+            self.save_state()
 
     def _group_done(self, key: str) -> None:
         """Every sample of a group arm's prompt finished: send the group whole, or drop it (a sample failed) and give
@@ -384,10 +436,19 @@ class RolloutWorker:
             self._send(key, index, group[index])
         self.gate.sent += 1
 
-    def _save_cursor(self) -> None:
-        if self.cfg.state_path:
-            Path(self.cfg.state_path).parent.mkdir(parents=True, exist_ok=True)
-            self.cursor.save(self.cfg.state_path)
+    def save_state(self) -> None:
+        """Save the cursor; prompts whose trajectories the sink could still lose are saved as pending."""
+        if not self.cfg.state_path:
+            return
+        volatile_ids = getattr(self.sink, "volatile_ids", None)
+        not_durable: set[str] = set()
+        if volatile_ids is not None:
+            volatile = volatile_ids()
+            with self._lock:
+                self._sent_keys = {t: k for t, k in self._sent_keys.items() if t in volatile}
+                not_durable = set(self._sent_keys.values())
+        Path(self.cfg.state_path).parent.mkdir(parents=True, exist_ok=True)
+        self.cursor.save(self.cfg.state_path, not_durable)
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = self.metrics.snapshot()
@@ -412,7 +473,7 @@ class RolloutWorker:
             s["failed"],
             health or "n/a",
         )
-        self._save_cursor()
+        self.save_state()
         if self.cfg.metrics_path:
             record = {"time": time.time(), "worker": self.cfg.worker_id,
                       **{f"rollout/{k}": v for k, v in s.items() if k != "engines"}}  # fmt: skip

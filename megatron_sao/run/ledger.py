@@ -1,8 +1,8 @@
 """The trajectory ledger's check: `python -m megatron_sao ledger RUN_DIR` proves that nothing was lost or trained
 twice. Its sources, all under the run dir:
 
-    ledger/<worker>.jsonl   each rollout worker: produced (id, prompt, sample), undelivered, failed, dropped_group,
-                            prompt_done
+    ledger/<worker>.jsonl   each rollout worker: sending (written before the bus takes it), produced (taken),
+                            undelivered, failed, dropped_group, prompt_done
     trajectories.jsonl      the learner: one line per trajectory a step consumed, and a `start` mark each time a
                             learner (re)starts -- what was consumed after the checkpoint it starts from is void
                             (those trajectories come again and are trained then)
@@ -11,9 +11,11 @@ twice. Its sources, all under the run dir:
     (trajectories.jsonl)    `held` marks: what the last checkpoint holds for groups not yet whole (trained on resume)
 
 Every produced id must be consumed exactly once (after replaying the restarts), or dropped as stale, or still
-pending in a spool or held in the last checkpoint; every consumed id must have been produced; every prompt a
-worker marked done must have a trajectory or a failure on record. Anything else is a violation: the command prints
-the counts and the first violations and exits 1.
+pending in a spool or held in the last checkpoint, or -- lost with a worker that had no spool -- its prompt generated
+again later (the worker's cursor keeps such prompts pending until the learner commits their trajectories). An id
+only `sending` when its worker died never reached the bus (its prompt was not marked done). Every consumed id must
+have been sent; every prompt a worker marked done must have a trajectory or a failure on record. Anything else is a
+violation: the command prints the counts and the first violations and exits 1.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class LedgerReport:
     dropped_groups: int = 0
     undelivered: int = 0
     prompts_done: int = 0
+    regenerated: int = 0  # lost with a spool-less worker's crash; their prompts were generated again
+    cut: int = 0  # its worker died while handing it to the bus (never sent; the prompt stayed pending)
     violations: list[str] = field(default_factory=list)
 
     @property
@@ -51,7 +55,8 @@ class LedgerReport:
             f"produced {self.produced}, consumed {self.consumed} (+{self.voided} voided by restarts), dropped as "
             f"stale {self.stale_dropped}, pending in spools {self.pending}; failed episodes {self.failed_episodes}, "
             f"dropped groups {self.dropped_groups}, undelivered at a stop {self.undelivered} (prompts left pending), "
-            f"prompts done {self.prompts_done}",
+            f"prompts done {self.prompts_done}; lost in a crash and generated again {self.regenerated}, cut before "
+            f"the bus took them {self.cut}",
             f"{'OK' if self.ok else 'VIOLATIONS'}: {len(self.violations)} violation(s)",
         ]
         lines += [f"  {v}" for v in self.violations[:limit]]
@@ -111,11 +116,18 @@ def check_ledger(
         if line.get("event") == "unreadable":
             report.violations.append(f"unreadable ledger line {line['where']}")
     produced: dict[str, dict[str, Any]] = {}
+    sending: dict[str, dict[str, Any]] = {}
+    last_try: dict[tuple[str, str], float] = {}  # (worker, prompt) -> time of its latest sample on record
     accounted_prompts: set[tuple[str, str]] = set()
     done_prompts: list[tuple[str, str]] = []
     for line in worker_lines:
         event = line.get("event")
-        if event == "produced":
+        if event in ("sending", "produced", "failed"):
+            key = (str(line["worker"]), str(line["prompt"]))
+            last_try[key] = max(last_try.get(key, 0.0), float(line.get("time", 0.0)))
+        if event == "sending":
+            sending[line["id"]] = line
+        elif event == "produced":
             if line["id"] in produced:
                 report.violations.append(f"trajectory {line['id']} produced twice (workers {line['worker']} and "
                                          f"{produced[line['id']]['worker']})")  # fmt: skip
@@ -145,13 +157,21 @@ def check_ledger(
         if n > 1:
             report.violations.append(f"trajectory {tid} trained {n} times")
     for line in learner_lines:
-        if "id" in line and line["id"] not in produced and line.get("worker") in workers_with_ledgers:
-            report.violations.append(f"trajectory {line['id']} was trained but its worker never produced it")
+        tid = line.get("id")
+        known = tid in produced or tid in sending
+        if tid is not None and not known and line.get("worker") in workers_with_ledgers:
+            report.violations.append(f"trajectory {tid} was trained but its worker never sent it")
+    fate = set(counts) | stale | pending | held
+    report.cut = sum(1 for tid in sending if tid not in produced and tid not in fate)
     for tid, line in produced.items():
-        if tid not in counts and tid not in stale and tid not in pending and tid not in held:
-            where = f"prompt {line['prompt']}, worker {line['worker']}"
-            report.violations.append(f"trajectory {tid} ({where}) was produced and then lost: not trained, not "
-                                     "dropped as stale, not in a spool")  # fmt: skip
+        if tid in fate:
+            continue
+        if last_try.get((line["worker"], line["prompt"]), 0.0) > float(line.get("time", 0.0)):
+            report.regenerated += 1
+            continue
+        where = f"prompt {line['prompt']}, worker {line['worker']}"
+        report.violations.append(f"trajectory {tid} ({where}) was produced and then lost: not trained, not "
+                                 "dropped as stale, not in a spool, its prompt not generated again")  # fmt: skip
     for worker, prompt in done_prompts:
         if (worker, prompt) not in accounted_prompts:
             report.violations.append(f"prompt {prompt} marked done by {worker} without a trajectory or a failure")

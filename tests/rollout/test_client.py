@@ -389,3 +389,51 @@ def test_router_keeps_work_off_an_engine_behind_on_weights_until_it_caught_up() 
     b.version = 2
     _, url = router.generate([1], {"max_new_tokens": 1})
     assert url == "http://b:1"
+
+
+class _Broken(BaseHTTPRequestHandler):
+    """An engine gone wrong: /generate answers 200 with `answer` (cut JSON, JSON without the fields), or never."""
+
+    answer: bytes = b""
+    hang = threading.Event()
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if not self.answer:
+            self.hang.wait(30)  # hold the connection without a byte of answer
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(self.answer)))
+        self.end_headers()
+        self.wfile.write(self.answer)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [b'{"text": "hi", "meta_info": {"id": "r", "output_tok', b'{"text": "hi"}', b'"ok"', b""],
+    ids=["cut-json", "no-meta-info", "not-an-object", "hangs"],
+)
+def test_a_garbage_or_hanging_engine_is_taken_out_and_the_turn_goes_to_another(engine_url: str, answer: bytes) -> None:
+    from megatron_sao.rollout import client as C
+
+    broken = ThreadingHTTPServer(("127.0.0.1", 0), type("B", (_Broken,), {"answer": answer, "hang": threading.Event()}))
+    threading.Thread(target=broken.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    url = f"http://127.0.0.1:{broken.server_address[1]}"
+    try:
+        alone = SGLangClient(url, retry=RetryPolicy(0))
+        expected = EngineTimeout if not answer else C.EngineMalformedResponse
+        with pytest.raises(expected) as e:
+            alone.generate([1, 2], {"max_new_tokens": 2, **GREEDY}, timeout_s=1.0)
+        assert url in str(e.value)
+        router = EngineRouter([SGLangClient(url, retry=RetryPolicy(0)), SGLangClient(engine_url)])
+        result, served_by = router.generate([1, 2], {"max_new_tokens": 2, **GREEDY}, timeout_s=5.0)  # broken first
+        assert served_by == engine_url and len(result.output_ids) == 2
+        assert router.down() == [url] and router.stats()[url]["failures"] == 1
+    finally:
+        broken.RequestHandlerClass.hang.set()  # type: ignore[attr-defined]  # the hanging handler lets go
+        broken.shutdown()
+        broken.server_close()

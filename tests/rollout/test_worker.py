@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -44,7 +46,8 @@ def make_worker(engine: Any, n: int, tmp_path: Path, **cfg: Any) -> tuple[Rollou
     records = [{"id": f"q{i}", "question": f"question number {i}?", "answer": "1"} for i in range(n)]
     loop = AgentLoop(make_env("verifiable_answer"), ChatTemplateCodec(TOK), engine, AgentLoopConfig())
     sink = InMemorySink()
-    wcfg = WorkerConfig(concurrency=4, log_interval_s=0.2, retry_backoff_s=0.01, state_path=str(tmp_path / "c.json"))
+    wcfg = WorkerConfig(concurrency=4, log_interval_s=0.2, retry_backoff_s=0.01, state_path=str(tmp_path / "c.json"),
+                        ledger_path=str(tmp_path / "ledger.jsonl"))  # fmt: skip
     for k, v in cfg.items():
         setattr(wcfg, k, v)
     return RolloutWorker(PromptCursor(records), loop, sink, wcfg), sink
@@ -90,10 +93,47 @@ def test_episodes_failing_every_attempt_are_counted_not_pushed(tmp_path: Path) -
 def test_a_restarted_worker_continues_where_the_cursor_stopped(tmp_path: Path) -> None:
     worker, sink = make_worker(FlakyEngine(), 10, tmp_path)
     worker.run(max_prompts=4)
-    again, sink2 = make_worker(FlakyEngine(), 10, tmp_path)  # same state_path
+    twin, _ = make_worker(FlakyEngine(), 10, tmp_path)  # same state_path while the first still holds it
+    with pytest.raises(ValueError, match=rf"rollout-0.*held by a live worker \(pid {os.getpid()}\).*--worker-id"):
+        twin.run()
+    worker.close()
+    again, sink2 = make_worker(FlakyEngine(), 10, tmp_path)
     again.run()
     first, second = {t.header.prompt_id for t in sink.items}, {t.header.prompt_id for t in sink2.items}
     assert len(first) == 4 and first.isdisjoint(second) and first | second == {f"q{i}" for i in range(10)}
+
+
+class VolatileSink(InMemorySink):
+    """A bus without a spool: what was sent can be lost until the learner commits it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.committed: set[str] = set()
+
+    def volatile_ids(self) -> set[str]:
+        return {t.trajectory_id for t in self.items} - self.committed
+
+
+def test_prompts_whose_trajectories_are_not_durable_stay_pending_in_the_saved_cursor(tmp_path: Path) -> None:
+    worker, _ = make_worker(FlakyEngine(), 6, tmp_path)
+    sink = worker.sink = VolatileSink()
+    worker.run(max_prompts=6)
+    saved = json.loads((tmp_path / "c.json").read_text())  # nothing committed: a crash now must re-issue all six
+    assert sorted(saved["pending"]) == [f"0:{i}" for i in range(6)] and saved["completed"] == 0
+    sink.committed = {t.trajectory_id for t in sink.items[:4]}
+    worker.close()
+    saved = json.loads((tmp_path / "c.json").read_text())
+    keys = {t.trajectory_id: k for k, t in zip(_keys_by_order(tmp_path), sink.items, strict=True)}
+    assert sorted(saved["pending"]) == sorted(keys[t.trajectory_id] for t in sink.items[4:]) and saved["completed"] == 4
+    again, sink2 = make_worker(FlakyEngine(), 6, tmp_path)
+    again.run(max_prompts=2)  # the two re-issued first
+    assert sorted(t.header.prompt_id for t in sink2.items) == sorted(t.header.prompt_id for t in sink.items[4:])
+
+
+def _keys_by_order(tmp_path: Path) -> list[str]:
+    """The prompt key of each trajectory, in the order the worker sent them (its ledger's `sending` lines)."""
+    return [x["prompt"] for x in map(json.loads, (tmp_path / "ledger.jsonl").read_text().splitlines())
+            if x["event"] == "sending"]  # fmt: skip
 
 
 def test_a_failing_episode_is_counted_and_the_run_goes_on(tmp_path: Path) -> None:

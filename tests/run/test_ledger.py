@@ -1,0 +1,77 @@
+"""The ledger checker (run/ledger.py) on hand-written ledgers: each fate a trajectory can have, and each violation."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from megatron_sao.run.ledger import check_ledger
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _write(path: Path, lines: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def _sent(tid: str, prompt: str, t: float, worker: str = "w0") -> list[dict[str, Any]]:
+    return [{"event": "sending", "id": tid, "prompt": prompt, "worker": worker, "time": t},
+            {"event": "produced", "id": tid, "prompt": prompt, "worker": worker, "time": t + 0.1}]  # fmt: skip
+
+
+def _done(prompt: str, t: float, worker: str = "w0") -> dict[str, Any]:
+    return {"event": "prompt_done", "prompt": prompt, "worker": worker, "time": t}
+
+
+def _trained(tid: str, version: int, worker: str = "w0") -> dict[str, Any]:
+    return {"id": tid, "step_version": version, "worker": worker}
+
+
+def test_a_clean_run_with_a_restart_a_stale_drop_and_a_spooled_trajectory_is_ok(tmp_path: Path) -> None:
+    lines = [x for i, tid in enumerate("abcd") for x in (*_sent(tid, f"0:{i}", i + 1), _done(f"0:{i}", i + 1.2))]
+    _write(tmp_path / "ledger" / "w0.jsonl", lines)
+    # a trained at step 1 (checkpointed); b trained at step 2, then the learner died before saving step 2: the
+    # restart from version 1 voids it and b comes again; c was too stale; d waits in the spool
+    _write(tmp_path / "trajectories.jsonl", [{"event": "start", "version": 0}, _trained("a", 1), _trained("b", 2),
+           {"event": "start", "version": 1}, _trained("b", 2)])  # fmt: skip
+    _write(tmp_path / "stale.jsonl", [{"trajectory_id": "c", "action": "dropped"}])
+    spool = tmp_path / "spool" / "w0"
+    spool.mkdir(parents=True)
+    (spool / "7.traj").write_bytes(b"SAOSPOOL1\n" + (7).to_bytes(8, "little") + (0).to_bytes(4, "little")
+                                   + (1).to_bytes(4, "little") + b"d")  # fmt: skip
+    report = check_ledger(tmp_path)
+    assert report.ok, report.describe()
+    assert (report.produced, report.consumed, report.voided, report.stale_dropped, report.pending) == (4, 2, 1, 1, 1)
+
+
+def test_lost_and_twice_trained_trajectories_and_empty_prompts_are_violations(tmp_path: Path) -> None:
+    _write(tmp_path / "ledger" / "w0.jsonl", [*_sent("a", "0:0", 1), _done("0:0", 1.2), *_sent("b", "0:1", 2),
+           _done("0:1", 2.2), _done("0:2", 3)])  # fmt: skip
+    _write(tmp_path / "trajectories.jsonl", [_trained("a", 1), _trained("a", 2), _trained("zz", 2)])
+    report = check_ledger(tmp_path)
+    text = "\n".join(report.violations)
+    assert not report.ok and len(report.violations) == 4, text
+    assert "trajectory a trained 2 times" in text and "zz was trained but its worker never sent it" in text
+    assert "trajectory b (prompt 0:1, worker w0) was produced and then lost" in text
+    assert "prompt 0:2 marked done by w0 without a trajectory" in text
+    cli = subprocess.run([sys.executable, "-m", "megatron_sao", "ledger", str(tmp_path)], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert cli.returncode == 1 and "VIOLATIONS: 4" in cli.stdout + cli.stderr
+
+
+def test_a_spoolless_workers_crash_is_ok_when_its_prompts_were_generated_again(tmp_path: Path) -> None:
+    """No spool: b was sent (in memory only), the worker died, its cursor had b's prompt pending (not committed),
+    and the next life generated it again as b2. e was being handed to the bus when the worker died."""
+    _write(tmp_path / "ledger" / "w0.jsonl", [*_sent("a", "0:0", 1), _done("0:0", 1.2), *_sent("b", "0:1", 2),
+           _done("0:1", 2.2), {"event": "sending", "id": "e", "prompt": "0:2", "worker": "w0", "time": 2.5},
+           *_sent("b2", "0:1", 5), _done("0:1", 5.2), *_sent("e2", "0:2", 6), _done("0:2", 6.2)])  # fmt: skip
+    _write(tmp_path / "trajectories.jsonl", [_trained("a", 1), _trained("b2", 2), _trained("e2", 3)])
+    report = check_ledger(tmp_path)
+    assert report.ok, report.describe()
+    assert (report.regenerated, report.cut, report.consumed) == (1, 1, 3)
+    _write(tmp_path / "trajectories.jsonl", [_trained("a", 1), _trained("e2", 3)])  # b2 lost too: nothing came after
+    assert [v for v in check_ledger(tmp_path).violations if "b2" in v]
