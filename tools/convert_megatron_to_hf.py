@@ -15,7 +15,11 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, help="megatron dist checkpoint directory")
+    p.add_argument(
+        "--ckpt",
+        required=True,
+        help="megatron dist checkpoint directory, or a learner save_dir (converts the one `latest` names)",
+    )
     p.add_argument("--out", required=True, help="output HF directory (must be empty unless --force)")
     p.add_argument("--hf-config", required=True, help="HF directory with the model's config.json (+ tokenizer)")
     p.add_argument(
@@ -29,12 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--dry-run", action="store_true", help="say what it would convert, what is missing; write nothing")
     a = p.parse_args(argv)
-    if a.dry_run:
-        from megatron_sao.learner.checkpoint import LATEST
+    from megatron_sao.learner.checkpoint import LATEST
 
-        ckpt = Path(a.ckpt)
-        if (ckpt / LATEST).is_file():
-            ckpt = ckpt / (ckpt / LATEST).read_text().strip()
+    ckpt = Path(a.ckpt)  # a checkpoint, or the learner's save_dir: the one its `latest` names
+    if (ckpt / LATEST).is_file():
+        ckpt = ckpt / (ckpt / LATEST).read_text().strip()
+    if a.dry_run:
         checks = {"--ckpt": ckpt / "metadata.json", "--hf-config": Path(a.hf_config) / "config.json"}
         missing = [f"{flag} {path.parent} (no {path.name})" for flag, path in checks.items() if not path.is_file()]
         print(f"would convert the policy of {ckpt} into {a.out} (config and tokenizer from {a.hf_config}, dtype "
@@ -42,10 +46,15 @@ def main(argv: list[str] | None = None) -> int:
         print("missing now: " + "; ".join(missing) if missing else "every input is there")
         return 0
     from megatron_sao.convert.megatron_to_hf import convert_megatron_to_hf
+    from megatron_sao.learner.integrity import verify_checksums
 
+    problem = verify_checksums(ckpt) if (ckpt / "metadata.json").is_file() else None
+    if problem:
+        print(f"error: checkpoint {ckpt} is damaged: {problem}; convert another one", file=sys.stderr)
+        return 2
     try:
         out = convert_megatron_to_hf(
-            a.ckpt,
+            ckpt,
             a.out,
             a.hf_config,
             dtype=a.dtype,
