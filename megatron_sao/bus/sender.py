@@ -68,6 +68,9 @@ class TrajectorySender:
         assert self._spool is not None
         for se in self._spool.entries:
             self._outbox.add(Entry(se.seq, se.trajectory_id, se.nbytes, None))
+        for tid, why in self._spool.lost_at_open:  # the producer re-opens their prompts (see rejected())
+            self._outbox.rejected.append((tid, "spool_corrupt", why))
+            log.error("bus: trajectory %s lost: its spool file is damaged (%s)", tid, why)
         if self._spool.entries or self._spool.quarantined:
             log.info(
                 "bus: worker %s resumes %d spooled trajectories (%d corrupt files quarantined)",
@@ -217,7 +220,8 @@ class TrajectorySender:
             return [e.trajectory_id for e in self._outbox.entries.values()]
 
     def rejected(self) -> list[tuple[str, str, str]]:
-        """(trajectory_id, reason, detail) of recent trajectories the receiver refused for good."""
+        """(trajectory_id, reason, detail) of recent trajectories the receiver refused for good, or lost from a damaged
+        spool file (reason "spool_corrupt": the producer should generate its prompt again)."""
         with self._outbox.cv:
             return list(self._outbox.rejected)
 

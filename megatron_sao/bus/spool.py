@@ -67,10 +67,12 @@ class Spool:
         self.epoch: str = meta.get("epoch") or secrets.token_hex(8)
         self.entries: list[SpooledEntry] = []
         self.quarantined: list[str] = []
+        self.lost_at_open: list[tuple[str, str]] = []  # (trajectory id, or the file when unreadable; what is wrong)
         for path in sorted(self.dir.glob("*.traj")):
             try:
                 self.entries.append(self._scan(path))
-            except (SpoolCorrupt, struct.error):
+            except (SpoolCorrupt, struct.error) as e:
+                self.lost_at_open.append((_peek_id(path) or f"<unreadable {path.name}>", str(e) or "cut short"))
                 self._quarantine(path)
         self.entries.sort(key=lambda e: e.seq)
         start = max([int(meta.get("reserved", 0))] + [e.seq + 1 for e in self.entries])
@@ -178,3 +180,17 @@ class Spool:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+
+def _peek_id(path: Path) -> str | None:
+    """The trajectory id in a spool file's header, when that much of it is readable."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(MAGIC) + _FIXED.size)
+            if len(head) != len(MAGIC) + _FIXED.size or not head.startswith(MAGIC):
+                return None
+            _, _, id_len = _FIXED.unpack_from(head, len(MAGIC))
+            tid = f.read(min(id_len, 4096))
+    except OSError:
+        return None
+    return tid.decode() if tid and len(tid) == id_len and tid.isascii() else None

@@ -32,6 +32,9 @@ class StoppableSink:
                     self.dropped += 1
                     raise Undelivered("the run is stopping and the bus is full") from None
 
+    def rejected(self) -> list[tuple[str, str, str]]:
+        return self.sender.rejected()
+
     def volatile_ids(self) -> set[str]:
         """Sent, not yet committed and not spooled: lost if this process dies now (bus.spool_dir unset)."""
         return set() if self.sender.durable else set(self.sender.pending_ids())

@@ -95,6 +95,13 @@ class PromptCursor:
             del self._pending[key]
             self.completed += 1
 
+    def reopen(self, key: str) -> None:
+        """A completed prompt whose trajectory was lost after all (a damaged spool file): hand it out again."""
+        with self._lock:
+            if key not in self._pending and key not in self._redo:
+                self._redo.append(key)
+                self.completed -= 1
+
     def state_dict(self, not_durable: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
         """`not_durable`: completed keys whose trajectories could still be lost (sent without a spool, not yet
         committed by the learner): saved as pending, so a crash re-issues them instead of marking them done."""

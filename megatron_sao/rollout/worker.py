@@ -49,7 +49,9 @@ class TrajectorySink(Protocol):
     """Where finished trajectories go; the bus TrajectorySender satisfies it. A sink that gives a trajectory up (the
     run is stopping while the bus is full) raises Undelivered: its prompt is then not marked done, and is
     re-issued by the next run. A sink whose trajectories are not durable once sent (a bus without a spool, until the
-    learner commits them) also has `volatile_ids() -> set[str]`: the cursor saves their prompts as pending."""
+    learner commits them) also has `volatile_ids() -> set[str]`: the cursor saves their prompts as pending. A sink that
+    can refuse or lose a trajectory after send() returned has `rejected() -> [(id, reason, detail)]`: each is recorded
+    in the ledger, and a prompt whose trajectory was lost from a damaged spool file is generated again."""
 
     def send(self, traj: Trajectory) -> None: ...
 
@@ -194,6 +196,7 @@ class RolloutWorker:
         self._sent: set[tuple[str, int]] = set()
         self._sent_keys: dict[str, str] = {}  # trajectory id -> prompt key, while the sink may still lose it
         self._state_lock_fd = -1
+        self._rejected_seen: set[str] = set()
         self._remaining: dict[str, int] = {}  # prompt key -> samples not pushed yet
         self._backoff: list[_Task] = []  # re-issued tasks waiting out their back-off (never slept on the run thread)
         self._health_pool: cf.ThreadPoolExecutor | None = None  # engine probes, off the run thread
@@ -229,6 +232,7 @@ class RolloutWorker:
 
     def close(self) -> None:
         """Save the cursor (what the learner committed since is now done) and let another worker take it."""
+        self._take_rejected()
         self.save_state()
         self._release_state()
 
@@ -260,6 +264,7 @@ class RolloutWorker:
         ):
             running: dict[cf.Future[Trajectory], _Task] = {}
             while not stop.is_set():
+                self._take_rejected()
                 now = time.monotonic()
                 due = [t for t in self._backoff if t.not_before <= now]
                 if due:
@@ -299,6 +304,38 @@ class RolloutWorker:
         self._health_pool = None
         self.log_status()
         return self.status()
+
+    def _take_rejected(self) -> None:
+        """Record what the bus refused or lost after send() returned; re-open the prompts of lost trajectories."""
+        rejected = getattr(self.sink, "rejected", None)
+        if rejected is None:
+            return
+        for tid, reason, detail in rejected():
+            if tid in self._rejected_seen:
+                continue
+            self._rejected_seen.add(tid)
+            key = self._prompt_of(tid) if reason == "spool_corrupt" else None
+            self._ledger({"event": "rejected", "id": tid, "reason": reason, "detail": detail[:300],
+                          "worker": self.cfg.worker_id, "reopened": key})  # fmt: skip
+            if key is not None:
+                log.warning("trajectory %s of prompt %s was lost (%s): generating the prompt again", tid, key, detail)
+                with self._lock:  # its samples may be pushed again: the lost one never reached the learner
+                    self._sent = {ident for ident in self._sent if ident[0] != key}
+                self.cursor.reopen(key)
+                self.save_state()
+
+    def _prompt_of(self, trajectory_id: str) -> str | None:
+        """The prompt key a trajectory was generated from, from this worker's ledger (it may predate this process)."""
+        if not self.cfg.ledger_path or not Path(self.cfg.ledger_path).is_file():
+            return None
+        with self._ledger_lock, open(self.cfg.ledger_path) as f:
+            for line in f:
+                if trajectory_id in line:
+                    with contextlib.suppress(ValueError):
+                        x = json.loads(line)
+                        if x.get("event") == "sending" and x.get("id") == trajectory_id:
+                            return str(x["prompt"])
+        return None
 
     def _may_take(self) -> bool:
         """Streaming: always. Group arms: while the current batch has room, else once the next one may open."""

@@ -2,7 +2,8 @@
 twice. Its sources, all under the run dir:
 
     ledger/<worker>.jsonl   each rollout worker: sending (written before the bus takes it), produced (taken),
-                            undelivered, failed, dropped_group, prompt_done
+                            undelivered, failed, dropped_group, prompt_done, rejected (refused by the receiver
+                            for good, or lost from a damaged spool file: then its prompt is generated again)
     trajectories.jsonl      the learner: one line per trajectory a step consumed, and a `start` mark each time a
                             learner (re)starts -- what was consumed after the checkpoint it starts from is void
                             (those trajectories come again and are trained then)
@@ -44,6 +45,8 @@ class LedgerReport:
     prompts_done: int = 0
     regenerated: int = 0  # lost with a spool-less worker's crash; their prompts were generated again
     cut: int = 0  # its worker died while handing it to the bus (never sent; the prompt stayed pending)
+    rejected: int = 0  # refused by the receiver for good (invalid)
+    spool_lost: int = 0  # lost from a damaged spool file (their prompts must have been generated again)
     violations: list[str] = field(default_factory=list)
 
     @property
@@ -56,7 +59,8 @@ class LedgerReport:
             f"stale {self.stale_dropped}, pending in spools {self.pending}; failed episodes {self.failed_episodes}, "
             f"dropped groups {self.dropped_groups}, undelivered at a stop {self.undelivered} (prompts left pending), "
             f"prompts done {self.prompts_done}; lost in a crash and generated again {self.regenerated}, cut before "
-            f"the bus took them {self.cut}",
+            f"the bus took them {self.cut}; refused by the receiver {self.rejected}, lost from a damaged spool "
+            f"{self.spool_lost}",
             f"{'OK' if self.ok else 'VIOLATIONS'}: {len(self.violations)} violation(s)",
         ]
         lines += [f"  {v}" for v in self.violations[:limit]]
@@ -117,6 +121,7 @@ def check_ledger(
             report.violations.append(f"unreadable ledger line {line['where']}")
     produced: dict[str, dict[str, Any]] = {}
     sending: dict[str, dict[str, Any]] = {}
+    refused: set[str] = set()
     last_try: dict[tuple[str, str], float] = {}  # (worker, prompt) -> time of its latest sample on record
     accounted_prompts: set[tuple[str, str]] = set()
     done_prompts: list[tuple[str, str]] = []
@@ -143,6 +148,12 @@ def check_ledger(
             accounted_prompts.add((line["worker"], line["prompt"]))
         elif event == "prompt_done":
             done_prompts.append((line["worker"], line["prompt"]))
+        elif event == "rejected":
+            if line.get("reason") == "spool_corrupt":
+                report.spool_lost += 1
+            else:
+                report.rejected += 1
+                refused.add(str(line["id"]))
     consumed, report.voided = consumed_ids(learner_lines)
     helds = [line for line in learner_lines if line.get("event") == "held"]
     held = set(helds[-1]["ids"]) if helds else set()  # in the last checkpoint, for groups not yet whole
@@ -161,7 +172,7 @@ def check_ledger(
         known = tid in produced or tid in sending
         if tid is not None and not known and line.get("worker") in workers_with_ledgers:
             report.violations.append(f"trajectory {tid} was trained but its worker never sent it")
-    fate = set(counts) | stale | pending | held
+    fate = set(counts) | stale | pending | held | refused
     report.cut = sum(1 for tid in sending if tid not in produced and tid not in fate)
     for tid, line in produced.items():
         if tid in fate:

@@ -56,8 +56,30 @@ def test_corrupt_and_partial_files_are_quarantined_not_sent(tmp_path) -> None:
     sp2 = Spool(tmp_path, "w", fsync=False)
     assert [e.seq for e in sp2.entries] == [0, 1]
     assert sp2.quarantined == [f"{9:020d}.traj"]
+    assert [tid for tid, _ in sp2.lost_at_open] == [f"<unreadable {9:020d}.traj>"]  # its header is cut too
     assert not (sp2.dir / f"{7:020d}.tmp").exists()
     with pytest.raises(ValueError, match="checksum"):
         sp2.read(1)
     assert (sp2.dir / "corrupt" / path.name).exists()
     sp2.close()
+
+
+def test_a_file_cut_after_its_header_names_the_lost_trajectory_to_the_sender(tmp_path) -> None:
+    """A torn write that survived the rename (power loss without bus.spool_fsync): the sender reports the id as lost
+    (rejected(), reason spool_corrupt) so that the producer generates its prompt again."""
+    from megatron_sao.bus import TrajectorySender
+    from megatron_sao.config.bus import BusConfig
+
+    sp = Spool(tmp_path, "w", fsync=False)
+    for _ in range(3):
+        seq = sp.next_seq()
+        sp.write(seq, f"t{seq}", codec.encode(traj(seq, 200)))
+    path = sp.dir / f"{1:020d}.traj"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    sp.close()
+    cfg = BusConfig(bind="tcp://127.0.0.1:1", spool_dir=str(tmp_path))  # nothing listens: only the spool matters
+    with TrajectorySender(cfg, "w") as sender:
+        assert sender.pending_ids() == ["t0", "t2"]
+        ((tid, reason, detail),) = sender.rejected()
+        assert (tid, reason) == ("t1", "spool_corrupt") and "size" in detail
+    assert (tmp_path / "w" / "corrupt" / path.name).exists()

@@ -1,8 +1,10 @@
 """Chaos over the real local launcher (`python -m megatron_sao run`, the tiny style example), seeded: SIGKILL the
 rollout worker, then the engine (the run restarts each), then the run itself -- the learner, whose engine and worker
-must die with it --, resume, SIGTERM it mid-run (clean stop), resume to the end. At the end the run reached its
-steps and the trajectory ledger's check passes: every trajectory trained exactly once, dropped as stale, or pending.
-The default tier runs one seed; the slow tier several."""
+must die with it --, cut a spooled trajectory in half (a torn write), resume, SIGTERM it mid-run (clean stop),
+resume to the end. At the end the run reached its steps and the trajectory ledger's check passes: every trajectory
+trained exactly once, dropped as stale, pending, or -- the torn one -- its prompt generated again. The default tier
+runs one seed; the slow tier several. With SAO_CHAOS_REPORT_DIR set, each run writes what it injected, the time to
+the next trained step after each fault and the ledger's counts there (tools/reliability_report.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.run.test_arms import REPO, _cmd, _env, assert_ledger_ok
+from tests.chaos.report import write_report
+from tests.run.test_arms import REPO, _cmd, _env
 
 MAX_STEPS = 24
 
@@ -49,8 +52,46 @@ def _child(proc: subprocess.Popen[bytes], role: str) -> psutil.Process:
     raise AssertionError(f"no {role} child of the run")
 
 
+class _Faults:
+    """What was injected when, and how long the run took to train its next step after it (the suite's report)."""
+
+    def __init__(self, run_dir: Path, seed: int) -> None:
+        self.run_dir, self.seed, self.t0 = run_dir, seed, time.monotonic()
+        self.faults: list[dict[str, Any]] = []
+
+    def injected(self, fault: str, **facts: Any) -> dict[str, Any]:
+        record = {"fault": fault, "at_version": _version(self.run_dir), "at_s": round(time.monotonic() - self.t0, 1),
+                  **facts}  # fmt: skip
+        self.faults.append(record)
+        return record
+
+    def recovered(self, record: dict[str, Any], proc: subprocess.Popen[bytes], since: float) -> None:
+        """Wait for the next trained step; record the seconds from `since`."""
+        _wait_version(self.run_dir, proc, _version(self.run_dir) + 1)
+        record["recovered_s"] = round(time.monotonic() - since, 1)
+
+    def write(self, name: str, report: Any) -> None:
+        write_report(f"{name}-seed{self.seed}", {
+            "seed": self.seed, "seconds": round(time.monotonic() - self.t0, 1), "faults": self.faults,
+            "ledger": {k: v for k, v in vars(report).items() if k != "violations"}, "ok": report.ok,
+        })  # fmt: skip
+
+
+def _damage_a_spool_file(run_dir: Path, rng: random.Random) -> str | None:
+    """Cut one spooled trajectory in half (a torn write that survived its rename): lost; its prompt is redone."""
+    files = sorted((run_dir / "spool").glob("*/*.traj"))
+    if not files:
+        return None
+    victim = rng.choice(files)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    return victim.name
+
+
 def _chaos(hf_dir: Path, run_dir: Path, seed: int) -> None:
+    from megatron_sao.run.ledger import check_ledger
+
     rng = random.Random(seed)
+    faults = _Faults(run_dir, seed)
     ports = _cmd(hf_dir, run_dir)  # fixed ports for every restart of this run
     cmd = [*ports, "--learner.max_steps", str(MAX_STEPS), "--learner.save_interval", "2"]
     start = lambda: subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,  # noqa: E731
@@ -59,23 +100,36 @@ def _chaos(hf_dir: Path, run_dir: Path, seed: int) -> None:
     kill_worker_at = rng.randint(2, 4)
     _wait_version(run_dir, proc, kill_worker_at)
     _child(proc, "rollout").kill()  # the supervisor restarts it; it resumes from its cursor and spool
+    faults.recovered(faults.injected("SIGKILL rollout worker"), proc, time.monotonic())
     _wait_version(run_dir, proc, kill_worker_at + rng.randint(2, 3))
     _child(proc, "engine").kill()  # restarted on its launch weights, pushed to at the next step
-    kill_learner_at = _version(run_dir) + rng.randint(2, 4)
+    faults.recovered(faults.injected("SIGKILL engine"), proc, time.monotonic())
+    kill_learner_at = _version(run_dir) + rng.randint(1, 3)
     _wait_version(run_dir, proc, kill_learner_at)
     children = psutil.Process(proc.pid).children(recursive=True)
+    killed = faults.injected("SIGKILL learner (the run)")
     os.kill(proc.pid, signal.SIGKILL)  # the learner dies mid-run, no checkpoint
     proc.wait()
     gone, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, f"left behind by the killed run: {[c.cmdline() for c in alive]}"
+    torn = _damage_a_spool_file(run_dir, rng)
+    if torn:
+        faults.injected("spool file cut in half", file=torn)
+    restarted = time.monotonic()
     proc = start()  # resumes from the last checkpoint; what it consumed after it comes again
-    _wait_version(run_dir, proc, _version(run_dir) + rng.randint(2, 4))
+    faults.recovered(killed, proc, restarted)
+    _wait_version(run_dir, proc, _version(run_dir) + rng.randint(1, 3))
+    stopping = faults.injected("SIGTERM mid-run")
     proc.send_signal(signal.SIGTERM)  # mid-run: finish the step, checkpoint, exit 0
     assert proc.wait(timeout=120) == 0
+    stopping["recovered_s"] = round(time.monotonic() - faults.t0 - stopping["at_s"], 1)  # the clean stop's duration
     proc = start()
     assert proc.wait(timeout=600) == 0
     assert _version(run_dir) == MAX_STEPS
-    assert_ledger_ok(run_dir)
+    report = check_ledger(run_dir)
+    faults.write("chaos", report)
+    assert report.ok and report.produced > 0, report.describe()
+    assert not torn or report.spool_lost == 1, report.describe()  # found, named, and its prompt generated again
 
 
 @pytest.mark.multiproc

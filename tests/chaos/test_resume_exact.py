@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from megatron_sao.distributed.spawn import find_free_port
+from tests.chaos.report import write_report
 from tests.run.test_arms import REPO, _env
 
 STEPS, PER_STEP, SAVE_EVERY = 6, 4, 2
@@ -56,10 +57,14 @@ def _produce(bus: str, spool: Path, done: threading.Event) -> threading.Thread:
     return thread
 
 
+def _records(run_dir: Path) -> list[dict[str, Any]]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").is_file() else []
+    return [r for r in map(json.loads, lines) if "step/trajectories" in r]
+
+
 def _steps(run_dir: Path) -> dict[int, dict[str, Any]]:
     """The last record of each trained version (a version trained twice, before and after the kill: the second)."""
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").is_file() else []
-    return {r["weight_version"]: r for r in map(json.loads, lines) if "step/trajectories" in r}
+    return {r["weight_version"]: r for r in _records(run_dir)}
 
 
 def _policy(run_dir: Path, hf_dir: Path, out: Path) -> dict[str, torch.Tensor]:
@@ -71,7 +76,8 @@ def _policy(run_dir: Path, hf_dir: Path, out: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
-def _run(hf_dir: Path, run_dir: Path, kill_at: int | None) -> None:
+def _run(hf_dir: Path, run_dir: Path, kill_at: int | None) -> float:
+    """The run's seconds from its (re)start after the kill to its first trained step (0 without a kill)."""
     bus = f"tcp://127.0.0.1:{find_free_port()}"
     done = threading.Event()
     producer = _produce(bus, run_dir.parent / f"{run_dir.name}-spool", done)
@@ -85,10 +91,15 @@ def _run(hf_dir: Path, run_dir: Path, kill_at: int | None) -> None:
                 time.sleep(0.05)
             proc.send_signal(signal.SIGKILL)  # no checkpoint of this step: it is trained again after the resume
             proc.wait(60)
+            restarted, trained = time.monotonic(), len(_records(run_dir))
             proc = subprocess.Popen(_learner(hf_dir, run_dir, bus), cwd=REPO, env=_env(),
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+            while len(_records(run_dir)) == trained and proc.poll() is None:
+                time.sleep(0.05)
+            recovery = time.monotonic() - restarted
         out, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, out[-3000:]
+        return recovery if kill_at is not None else 0.0
     finally:
         done.set()
         producer.join(30)
@@ -98,7 +109,7 @@ def _run(hf_dir: Path, run_dir: Path, kill_at: int | None) -> None:
 def test_a_killed_and_resumed_learner_trains_bitwise_as_an_uncrashed_one(tiny_hf_dir: Any, tmp_path: Path) -> None:
     hf_dir = Path(tiny_hf_dir("qwen3_moe"))
     _run(hf_dir, tmp_path / "uncrashed", kill_at=None)
-    _run(hf_dir, tmp_path / "crashed", kill_at=KILL_AT)
+    recovery = _run(hf_dir, tmp_path / "crashed", kill_at=KILL_AT)
     ref, got = _steps(tmp_path / "uncrashed"), _steps(tmp_path / "crashed")
     assert sorted(ref) == sorted(got) == list(range(1, STEPS + 1))
     for version in range(1, STEPS + 1):
@@ -109,3 +120,12 @@ def test_a_killed_and_resumed_learner_trains_bitwise_as_an_uncrashed_one(tiny_hf
     starts = [x for x in map(json.loads, (tmp_path / "crashed" / "trajectories.jsonl").read_text().splitlines())
               if x.get("event") == "start"]  # fmt: skip
     assert [s["version"] for s in starts] == [0, SAVE_EVERY * (KILL_AT // SAVE_EVERY)]
+    consumed = [x for x in map(json.loads, (tmp_path / "crashed" / "trajectories.jsonl").read_text().splitlines())
+                if "id" in x]  # fmt: skip
+    write_report("resume_exact", {
+        "faults": [{"fault": "SIGKILL learner, resume vs uncrashed run", "at_version": KILL_AT,
+                    "recovered_s": round(recovery, 1)}],
+        "ledger": {"produced": STEPS * PER_STEP, "consumed": STEPS * PER_STEP,
+                   "voided": len(consumed) - STEPS * PER_STEP},
+        "ok": True, "bitwise": True,
+    })  # fmt: skip

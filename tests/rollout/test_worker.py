@@ -130,6 +130,34 @@ def test_prompts_whose_trajectories_are_not_durable_stay_pending_in_the_saved_cu
     assert sorted(t.header.prompt_id for t in sink2.items) == sorted(t.header.prompt_id for t in sink.items[4:])
 
 
+def test_a_trajectory_lost_from_a_damaged_spool_has_its_prompt_generated_again(tmp_path: Path) -> None:
+    from megatron_sao.run.ledger import check_ledger
+
+    class LossySink(InMemorySink):
+        """The bus of a restarted worker whose spool had q3's trajectory torn."""
+
+        def rejected(self) -> list[tuple[str, str, str]]:
+            lost = [t for t in self.items if t.header.prompt_id == "q3"][:1]
+            return [(t.trajectory_id, "spool_corrupt", "size 100 != 200") for t in lost]
+
+    worker, _ = make_worker(FlakyEngine(), 6, tmp_path, concurrency=1)
+    sink = worker.sink = LossySink()
+    worker.run()
+    worker.close()
+    assert sorted(t.header.prompt_id for t in sink.items) == ["q0", "q1", "q2", "q3", "q3", "q4", "q5"]
+    ledger = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    (rejected,) = [x for x in ledger if x["event"] == "rejected"]
+    assert rejected["reason"] == "spool_corrupt" and rejected["reopened"] == "0:3"
+    assert json.loads((tmp_path / "c.json").read_text())["completed"] == 6  # q3 done again, by its second sample
+    run = tmp_path / "run"  # the checker: the lost one is accounted for by the prompt's second trajectory
+    (run / "ledger").mkdir(parents=True)
+    (run / "ledger" / "rollout-0.jsonl").write_text((tmp_path / "ledger.jsonl").read_text())
+    trained = [{"id": t.trajectory_id, "step_version": 1, "worker": "rollout-0"} for t in sink.items]
+    (run / "trajectories.jsonl").write_text("".join(json.dumps(x) + "\n" for x in trained if x["id"] != rejected["id"]))
+    report = check_ledger(run)
+    assert report.ok and (report.spool_lost, report.regenerated) == (1, 1), report.describe()
+
+
 def _keys_by_order(tmp_path: Path) -> list[str]:
     """The prompt key of each trajectory, in the order the worker sent them (its ledger's `sending` lines)."""
     return [x["prompt"] for x in map(json.loads, (tmp_path / "ledger.jsonl").read_text().splitlines())
