@@ -229,26 +229,27 @@ def _collect(procs: list[Any], results: Any, release: Any, logdir: Path, timeout
 
 
 DIE_WITH_PARENT = "SAO_DIE_WITH_PARENT"
-"""Set in the environment of the processes a local run starts: they end when the run's process dies."""
+"""Set in the environment of the processes a local run starts, to the run's pid: they end when that process dies."""
 
 
 def child_env() -> dict[str, str]:
     """The environment of a process a local launcher starts (engines, rollout workers): it dies with the launcher."""
-    return {**os.environ, DIE_WITH_PARENT: "1"}
+    return {**os.environ, DIE_WITH_PARENT: str(os.getpid())}
 
 
 def die_with_parent_if_asked() -> None:
-    """Called first by the engine and rollout commands: when started by a local run (DIE_WITH_PARENT), ask Linux for
-    SIGTERM when the parent dies, even by SIGKILL, so no engine or worker outlives its run (a leftover would hold the
-    ports and answer the next run); a parent already gone means exit now."""
+    """Called first by the engine and rollout commands: when started by a local run (DIE_WITH_PARENT holds its pid),
+    ask Linux for SIGTERM when the parent dies, even by SIGKILL, so no engine or worker outlives its run (a leftover
+    would hold the ports and answer the next run). A parent that died before the request -- while this process was
+    still starting -- is seen after it: the parent is then no longer the pid the run wrote, and this exits now."""
     import ctypes
     import signal
     import sys
 
-    if os.environ.get(DIE_WITH_PARENT) != "1" or not sys.platform.startswith("linux"):
+    launcher = os.environ.get(DIE_WITH_PARENT, "")
+    if not launcher.isdigit() or not sys.platform.startswith("linux"):
         return
-    parent = os.getppid()
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-    if os.getppid() != parent:  # the parent died before the request was made
+    if os.getppid() != int(launcher):  # the run died before the request was made
         raise SystemExit(1)

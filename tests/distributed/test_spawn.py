@@ -68,3 +68,20 @@ def test_a_hanging_rank_times_out_with_its_stack():
         spawn_ranks(_hang_on_rank_zero, 2, timeout_s=8)
     msg = str(e.value)
     assert "ranks [0] of 2 did not finish within 8s" in msg and "_hang_on_rank_zero" in msg
+
+
+def test_a_child_whose_run_died_while_it_started_exits_at_once() -> None:
+    """The run's pid is in the child's environment: a child whose parent is not (or no longer) that pid -- the run
+    was SIGKILLed while the child was still importing -- exits instead of outliving the run."""
+    import os
+    import subprocess
+    import sys
+
+    from megatron_sao.distributed.spawn import DIE_WITH_PARENT, child_env
+
+    code = "from megatron_sao.distributed.spawn import die_with_parent_if_asked as d; d(); print('alive')"
+    ours = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=60)
+    assert ours.returncode == 0 and ours.stdout.strip() == "alive"
+    orphan_env = {**os.environ, DIE_WITH_PARENT: str(os.getpid() + 999_999)}  # a run that is not its parent
+    orphan = subprocess.run([sys.executable, "-c", code], env=orphan_env, capture_output=True, text=True, timeout=60)
+    assert orphan.returncode == 1 and "alive" not in orphan.stdout
