@@ -22,6 +22,7 @@ import sys
 import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,7 +42,10 @@ SINGLE_FAULTS = {  # fault -> the tests that inject it (each asserts the named e
     "spool file cut mid-write or torn after its rename":
         ["tests/bus/test_spool.py"],
     "two workers with one id; trajectories not durable at a crash; a lost trajectory's prompt":
-        ["tests/rollout/test_worker.py"],
+        ["tests/rollout/test_worker.py::test_a_restarted_worker_continues_where_the_cursor_stopped",
+         "tests/rollout/test_worker.py::test_prompts_whose_trajectories_are_not_durable_stay_pending_in_the_saved_cursor",
+         "tests/rollout/test_worker.py::test_a_trajectory_lost_from_a_damaged_spool_has_its_prompt_generated_again",
+         "tests/run/test_ledger.py"],
     "truncated safetensors shard, unwritable run_dir, TP not dividing the heads":
         ["tests/run/test_errors.py"],
     "SIGTERM / SIGINT / STOP file; a leftover engine on the run's ports":
@@ -107,21 +111,17 @@ def render(out: Path) -> str:
         faults = "; ".join(f["fault"] for f in r["faults"])
         counts = [str(led.get(k, "")) for k in COLUMNS]
         lines.append(_row([r["test"], faults, *counts, "OK" if r["ok"] else "VIOLATIONS", str(r.get("seconds", ""))]))
-    lines += ["", "## Recoveries", "",
-              "Seconds from the fault (for the learner: from its restart) to the next step the run trained; for "
-              "SIGTERM, how long the clean stop (finish the step, checkpoint, stop every process) took.", "",
-              "| fault | times injected | median s | max s |", "|---|---|---|---|"]  # fmt: skip
-    by_fault: dict[str, list[float]] = {}
+    lines += ["", "## Recoveries", "", "Seconds from the fault until what the last column says.", "",
+              "| fault | times injected | median s | max s | until |", "|---|---|---|---|---|"]  # fmt: skip
+    by_fault: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         for f in r["faults"]:
             if "recovered_s" in f:
-                by_fault.setdefault(f["fault"], []).append(float(f["recovered_s"]))
-            elif f["fault"] not in by_fault:
-                by_fault.setdefault(f["fault"], [])
-    for fault, times in by_fault.items():
-        stats = f"{statistics.median(times):.1f} | {max(times):.1f}" if times else "- | -"
-        n = sum(f["fault"] == fault for r in records for f in r["faults"])
-        lines.append(f"| {fault} | {n} | {stats} |")
+                by_fault.setdefault(f["fault"], []).append(f)
+    for fault, hits in by_fault.items():
+        times = [float(f["recovered_s"]) for f in hits]
+        lines.append(_row([fault, str(len(hits)), f"{statistics.median(times):.1f}", f"{max(times):.1f}",
+                           str(hits[0].get("until", "the next trained step"))]))  # fmt: skip
     load = [f for r in records if r["test"].startswith("load") for f in r["faults"]]
     if load:
         f = load[0]

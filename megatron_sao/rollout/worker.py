@@ -6,11 +6,13 @@ by rollout/; started by the launch scripts, wired to the bus by the merge: the b
 the cursor when all of them were pushed (or given up), and the cursor state is saved then. The group arms generate in
 batches of `batch_prompts` prompts (BatchGate: lockstep with the learner's weight versions) and push a group only
 whole, once all its G samples finished (a group with a failed sample is dropped and another prompt takes its place).
-A turn whose engine dies or times out is re-issued on another engine by the router; an episode that still fails (no
-healthy engine, aborted turn, an engine error 5xx) is re-issued from scratch after a back-off, up to `max_attempts`
-times. Any other exception of an episode (the environment, the agent loop, a request the engine refuses) fails that
-sample only: it is logged with the prompt id and counted in `failed`, and the run goes on. Every (prompt, sample) is
-pushed at most once. A log line with throughput and engine health is written every `log_interval_s`.
+A turn whose engine dies or times out is re-issued on another engine by the router; an episode that still fails
+(aborted turn, an engine error 5xx) is re-issued from scratch after a back-off, up to `max_attempts` times; with no
+healthy engine at all (the only one restarting) it waits for one without using up attempts, and no new prompt is
+taken while `concurrency` episodes run or wait. Any other exception of an episode (the environment, the agent loop,
+a request the engine refuses) fails that sample only: it is logged with the prompt id and counted in `failed`, and
+the run goes on. Every (prompt, sample) is pushed at most once. A log line with throughput and engine health is
+written every `log_interval_s`.
 """
 
 from __future__ import annotations
@@ -197,6 +199,7 @@ class RolloutWorker:
         self._sent_keys: dict[str, str] = {}  # trajectory id -> prompt key, while the sink may still lose it
         self._state_lock_fd = -1
         self._rejected_seen: set[str] = set()
+        self._next_wait_log = 0.0
         self._remaining: dict[str, int] = {}  # prompt key -> samples not pushed yet
         self._backoff: list[_Task] = []  # re-issued tasks waiting out their back-off (never slept on the run thread)
         self._health_pool: cf.ThreadPoolExecutor | None = None  # engine probes, off the run thread
@@ -247,6 +250,7 @@ class RolloutWorker:
         cursor file (one live worker per id) until close()."""
         if self.cfg.state_path and self._state_lock_fd < 0:
             self._hold_state()
+        self._ledger({"event": "start", "worker": self.cfg.worker_id, "pid": os.getpid()})
         try:
             return self._run(max_prompts, stop or threading.Event())
         except BaseException:
@@ -272,7 +276,8 @@ class RolloutWorker:
                     queue[:0] = due
                 exhausted = False
                 while len(running) < self.cfg.concurrency:
-                    if not queue and (max_prompts is None or taken < max_prompts) and self._may_take():
+                    room = len(running) + len(self._backoff) < self.cfg.concurrency  # waiting episodes count
+                    if not queue and room and (max_prompts is None or taken < max_prompts) and self._may_take():
                         if self._refill(queue):
                             taken += 1
                             if self.gate is not None:
@@ -415,8 +420,20 @@ class RolloutWorker:
         self._sample_finished(key)
 
     def _retry(self, task: _Task, error: BaseException) -> None:
-        """Re-issue `task` once its back-off has passed (the run loop starts it; nothing sleeps here)."""
+        """Re-issue `task` once its back-off has passed (the run loop starts it; nothing sleeps here). With no healthy
+        engine at all the episode waits for one (an engine restarting) without using up its attempts: a restart must
+        not burn through prompts."""
         pid = task.record.get("id")
+        if isinstance(error, NoHealthyEngine):
+            self._probe_engines()
+            now = time.monotonic()
+            if now >= self._next_wait_log:
+                log.warning("no healthy engine (%s): %d episodes wait for one", error, len(self._backoff) + 1)
+                self._next_wait_log = now + 30.0
+            self.metrics.reissued += 1
+            task.not_before = now + min(self.cfg.retry_backoff_s, 5.0)
+            self._backoff.append(task)
+            return
         if task.attempt >= self.cfg.max_attempts:
             log.error(
                 "prompt %s (%s) sample %d failed %d times, giving up: %r",

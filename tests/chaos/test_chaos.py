@@ -70,6 +70,30 @@ class _Faults:
         _wait_version(self.run_dir, proc, _version(self.run_dir) + 1)
         record["recovered_s"] = round(time.monotonic() - since, 1)
 
+    def worker_back(self, record: dict[str, Any], proc: subprocess.Popen[bytes], killed_at: float) -> None:
+        """Wait until a worker started after `killed_at` (wall time) produced a trajectory; record the seconds."""
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the worker did not come back"
+            path = self.run_dir / "ledger" / "rollout-0.jsonl"
+            lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+            started = [i for i, x in enumerate(lines) if x["event"] == "start" and x["time"] > killed_at]
+            produced = [x for x in lines[started[0] :] if x["event"] == "produced"] if started else []
+            if produced:
+                record["recovered_s"] = round(produced[0]["time"] - killed_at, 1)
+                return
+            time.sleep(0.1)
+
+    def engine_back(self, record: dict[str, Any], proc: subprocess.Popen[bytes], url: str, since: float) -> None:
+        """Wait until the restarted engine answers /health; record the seconds from `since`."""
+        from megatron_sao.rollout.client import SGLangClient
+
+        client, deadline = SGLangClient(url), time.monotonic() + 120
+        while not client.health(timeout_s=1.0):
+            assert proc.poll() is None and time.monotonic() < deadline, "the engine did not come back"
+            time.sleep(0.1)
+        record["recovered_s"] = round(time.monotonic() - since, 1)
+
     def write(self, name: str, report: Any) -> None:
         write_report(f"{name}-seed{self.seed}", {
             "seed": self.seed, "seconds": round(time.monotonic() - self.t0, 1), "faults": self.faults,
@@ -99,15 +123,21 @@ def _chaos(hf_dir: Path, run_dir: Path, seed: int) -> None:
     proc = start()
     kill_worker_at = rng.randint(2, 4)
     _wait_version(run_dir, proc, kill_worker_at)
+    killed_at = time.time()
     _child(proc, "rollout").kill()  # the supervisor restarts it; it resumes from its cursor and spool
-    faults.recovered(faults.injected("SIGKILL rollout worker"), proc, time.monotonic())
+    faults.worker_back(faults.injected("SIGKILL rollout worker", until="a new worker produced"), proc, killed_at)
     _wait_version(run_dir, proc, kill_worker_at + rng.randint(2, 3))
-    _child(proc, "engine").kill()  # restarted on its launch weights, pushed to at the next step
-    faults.recovered(faults.injected("SIGKILL engine"), proc, time.monotonic())
+    engine = f"http://127.0.0.1:{ports[ports.index('--rollout.base_port') + 1]}"
+    killed = faults.injected("SIGKILL engine", until="the restarted engine answered /health")
+    since = time.monotonic()
+    victim = _child(proc, "engine")
+    victim.kill()  # restarted on its launch weights, pushed to at the next step
+    victim.wait(30)
+    faults.engine_back(killed, proc, engine, since)
     kill_learner_at = _version(run_dir) + rng.randint(1, 3)
     _wait_version(run_dir, proc, kill_learner_at)
     children = psutil.Process(proc.pid).children(recursive=True)
-    killed = faults.injected("SIGKILL learner (the run)")
+    killed = faults.injected("SIGKILL learner (the run)", until="its restart trained a step")
     os.kill(proc.pid, signal.SIGKILL)  # the learner dies mid-run, no checkpoint
     proc.wait()
     gone, alive = psutil.wait_procs(children, timeout=30)
@@ -119,7 +149,7 @@ def _chaos(hf_dir: Path, run_dir: Path, seed: int) -> None:
     proc = start()  # resumes from the last checkpoint; what it consumed after it comes again
     faults.recovered(killed, proc, restarted)
     _wait_version(run_dir, proc, _version(run_dir) + rng.randint(1, 3))
-    stopping = faults.injected("SIGTERM mid-run")
+    stopping = faults.injected("SIGTERM mid-run", until="it checkpointed, stopped all, exited 0")
     proc.send_signal(signal.SIGTERM)  # mid-run: finish the step, checkpoint, exit 0
     assert proc.wait(timeout=120) == 0
     stopping["recovered_s"] = round(time.monotonic() - faults.t0 - stopping["at_s"], 1)  # the clean stop's duration

@@ -124,7 +124,7 @@ def test_a_killed_and_resumed_learner_trains_bitwise_as_an_uncrashed_one(tiny_hf
                 if "id" in x]  # fmt: skip
     write_report("resume_exact", {
         "faults": [{"fault": "SIGKILL learner, resume vs uncrashed run", "at_version": KILL_AT,
-                    "recovered_s": round(recovery, 1)}],
+                    "recovered_s": round(recovery, 1), "until": "its restart trained a step"}],
         "ledger": {"produced": STEPS * PER_STEP, "consumed": STEPS * PER_STEP,
                    "voided": len(consumed) - STEPS * PER_STEP},
         "ok": True, "bitwise": True,

@@ -81,13 +81,41 @@ def test_failed_episodes_are_reissued_and_pushed_once(tmp_path: Path) -> None:
 
 
 def test_episodes_failing_every_attempt_are_counted_not_pushed(tmp_path: Path) -> None:
-    class Down(FlakyEngine):
-        def __call__(self, input_ids: list[int], sampling: dict[str, Any]) -> tuple[GenerateResult, str]:
-            raise NoHealthyEngine("all down")
+    from megatron_sao.rollout import client as C
 
-    worker, sink = make_worker(Down(), 3, tmp_path, max_attempts=2)
+    class Failing(FlakyEngine):
+        def __call__(self, input_ids: list[int], sampling: dict[str, Any]) -> tuple[GenerateResult, str]:
+            raise C.EngineError.of("fake", 500, {"error": {"message": "RuntimeError: CUDA error"}})
+
+    worker, sink = make_worker(Failing(), 3, tmp_path, max_attempts=2)
     status = worker.run()
     assert sink.items == [] and status["failed"] == 3 and status["reissued"] == 3
+
+
+def test_with_every_engine_down_episodes_wait_and_no_prompt_is_burnt(tmp_path: Path) -> None:
+    """The only engine restarting: episodes wait for it (no attempt used up, nothing failed) and the worker takes no
+    more prompts than its concurrency meanwhile."""
+
+    class Restarting(FlakyEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.back_at, self.down_calls = time.monotonic() + 1.5, 0
+
+        def __call__(self, input_ids: list[int], sampling: dict[str, Any]) -> tuple[GenerateResult, str]:
+            if time.monotonic() < self.back_at:
+                with self.lock:
+                    self.down_calls += 1
+                raise NoHealthyEngine("no healthy engine left (down: ['http://e:1'])")
+            return super().__call__(input_ids, sampling)
+
+    engine = Restarting()
+    worker, sink = make_worker(engine, 200, tmp_path, max_attempts=2, retry_backoff_s=0.1)
+    status = worker.run(max_prompts=12)
+    assert status["failed"] == 0
+    assert sorted(t.header.prompt_id for t in sink.items) == sorted(f"q{i}" for i in range(12))
+    ledger = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert not [x for x in ledger if x["event"] == "failed"]
+    assert engine.down_calls <= 4 * (1.5 / 0.1 + 3)  # 4 episodes (the concurrency) asking about every 0.1 s
 
 
 def test_a_restarted_worker_continues_where_the_cursor_stopped(tmp_path: Path) -> None:
@@ -291,8 +319,8 @@ class VersionedEngine:
         self.version, self.always_fail = 0, set(always_fail)
 
     def __call__(self, input_ids: list[int], sampling: dict[str, Any]) -> tuple[GenerateResult, str]:
-        if any(p in TOK.decode(input_ids) for p in self.always_fail):
-            raise NoHealthyEngine("scripted outage")
+        if any(p in TOK.decode(input_ids) for p in self.always_fail):  # the engine fails handling it (HTTP 500)
+            raise EngineError.of("fake", 500, {"error": {"message": "RuntimeError: scripted failure"}})
         ids = TOK("<answer>1</answer>", add_special_tokens=False)["input_ids"] + [TOK.eos_token_id]
         v = self.version
         time.sleep(0.002)

@@ -75,3 +75,15 @@ def test_a_spoolless_workers_crash_is_ok_when_its_prompts_were_generated_again(t
     assert (report.regenerated, report.cut, report.consumed) == (1, 1, 3)
     _write(tmp_path / "trajectories.jsonl", [_trained("a", 1), _trained("e2", 3)])  # b2 lost too: nothing came after
     assert [v for v in check_ledger(tmp_path).violations if "b2" in v]
+
+
+def test_a_lost_trajectory_whose_prompt_waits_in_the_cursor_is_ok(tmp_path: Path) -> None:
+    """b's spool file was torn; the worker re-opened its prompt, and the run ended before generating it again."""
+    _write(tmp_path / "ledger" / "w0.jsonl", [*_sent("a", "0:0", 1), _done("0:0", 1.2), *_sent("b", "0:1", 2),
+           _done("0:1", 2.2), {"event": "rejected", "id": "b", "reason": "spool_corrupt", "detail": "size",
+                               "worker": "w0", "reopened": "0:1", "time": 3}])  # fmt: skip
+    _write(tmp_path / "trajectories.jsonl", [_trained("a", 1)])
+    assert not check_ledger(tmp_path).ok  # the cursor does not have it: lost for good
+    (tmp_path / "rollout_cursor_w0.json").write_text(json.dumps({"pending": ["0:1"]}))
+    report = check_ledger(tmp_path)
+    assert report.ok and (report.requeued, report.spool_lost) == (1, 1), report.describe()
