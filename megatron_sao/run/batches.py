@@ -6,8 +6,9 @@ steps; samples of groups not yet whole stay held for a later step.
 
 While it waits it says so every WAIT_LOG_S (with what the bus saw), and it gives up (None) when the engines may lag
 the learner and nothing fresh arrived for RESYNC_AFTER_S: the last weight push failed (an engine was down), or what
-arrives is dropped as too stale (an engine restarted on its initial weights); the caller then pushes again, so an
-engine that came back with old weights cannot starve the learner.
+arrives is dropped as too stale (an engine restarted on its initial weights); and, sooner, when the engines serving
+are not the ones last pushed to (asked every ENGINE_CHECK_S of waiting: one came back or restarted). The caller then
+pushes again, so an engine that came back with old weights cannot starve the learner, nor generate long for nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 
 WAIT_LOG_S = 30.0
 RESYNC_AFTER_S = 5.0
+ENGINE_CHECK_S = 1.0
 
 
 def whole_groups(held: Sequence[Trajectory], groups: int, group_size: int) -> list[int] | None:
@@ -61,10 +63,15 @@ class Batches:
 
         return [[bytes(f) for f in encode(t)] for t in self.held]
 
-    def next(self, lagging: bool, stopping: Callable[[], bool] = lambda: False) -> list[Trajectory] | None:
+    def next(
+        self,
+        lagging: bool,
+        stopping: Callable[[], bool] = lambda: False,
+        engines_changed: Callable[[], bool] = lambda: False,
+    ) -> list[Trajectory] | None:
         """Receive until a batch is complete (returned, and no longer held); None per the module docstring, or
-        within RESYNC_AFTER_S of `stopping()` turning true (the run is asked to stop)."""
-        waited, logged = 0.0, 0.0
+        within ENGINE_CHECK_S of `stopping()` turning true (the run is asked to stop)."""
+        waited, logged, quiet = 0.0, 0.0, 0.0
         stale0 = self.receiver.metrics().get("stale_dropped", 0.0)
         while True:
             batch = self._take()
@@ -72,11 +79,19 @@ class Batches:
                 return batch
             if stopping():
                 return None
-            got = self.receiver.recv_batch(max(self.n - len(self.held), 1), timeout_s=RESYNC_AFTER_S)
+            got = self.receiver.recv_batch(max(self.n - len(self.held), 1), timeout_s=ENGINE_CHECK_S)
             self.held += got
             if got:
+                quiet = 0.0
                 continue
-            waited += RESYNC_AFTER_S
+            waited += ENGINE_CHECK_S
+            quiet += ENGINE_CHECK_S
+            if engines_changed():
+                log.info("the engines serving are not the ones last pushed to: pushing before waiting on")
+                return None
+            if quiet < RESYNC_AFTER_S:
+                continue
+            quiet = 0.0
             m = self.receiver.metrics()
             if lagging or m.get("stale_dropped", 0.0) > stale0:
                 return None

@@ -249,7 +249,11 @@ class _Run:
     def next_batch(self) -> list[Trajectory] | None:
         """Collective: the same batch on every rank; None when the engines may lag and should get a push first, or
         when the run is asked to stop (self.stopped says which)."""
-        batch = self.batches.next(self.engines.lagging, lambda: bool(self.stop.signum)) if self.batches else None
+        engine_set = self.sync.engines if self.sync is not None else None  # rank 0's
+        changed = engine_set.changed if engine_set is not None else (lambda: False)
+        batch = None
+        if self.batches is not None:
+            batch = self.batches.next(self.engines.lagging, lambda: bool(self.stop.signum), changed)
         batch = _share(batch)
         self.stopped = self.stop.agreed()
         return None if self.stopped else batch
