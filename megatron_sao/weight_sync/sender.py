@@ -112,25 +112,40 @@ def source_address(configured: str, engine_urls: list[str]) -> str:
         return str(s.getsockname()[0])
 
 
-def in_threads(calls: dict[str, Callable[[], Any]], timeout_s: float) -> dict[str, Any]:
-    """Run each call on its own thread; {key: result, or the exception it raised, or a TimeoutError}."""
+def in_threads(
+    calls: dict[str, Callable[[], Any]], timeout_s: float, give_up: Callable[[str, Any], bool] | None = None
+) -> dict[str, Any]:
+    """Run each call on its own thread; {key: result, or the exception it raised, or a TimeoutError}. With
+    `give_up`, stop waiting as soon as a finished call's (key, result) makes it true: the calls still running are
+    left to end on their own (daemon threads) and reported as abandoned."""
     out: dict[str, Any] = {}
+    cond = threading.Condition()
 
     def run(key: str, fn: Callable[[], Any]) -> None:
         try:
-            out[key] = fn()
+            result = fn()
         except BaseException as e:  # reported to the caller, never lost
-            out[key] = e
+            result = e
+        with cond:
+            out[key] = result
+            cond.notify_all()
 
-    threads = [threading.Thread(target=run, args=kv, daemon=True) for kv in calls.items()]
-    for t in threads:
-        t.start()
+    for kv in calls.items():
+        threading.Thread(target=run, args=kv, daemon=True).start()
     deadline = time.monotonic() + timeout_s
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
+    stopped = False
+    with cond:
+        while len(out) < len(calls):
+            stopped = give_up is not None and any(give_up(k, v) for k, v in out.items())
+            remaining = deadline - time.monotonic()
+            if stopped or remaining <= 0:
+                break
+            cond.wait(remaining)
+        got = dict(out)
     for key in calls:
-        out.setdefault(key, TimeoutError(f"no answer within {timeout_s:.0f}s"))
-    return out
+        got.setdefault(key, TimeoutError("abandoned: another call failed first" if stopped
+                                         else f"no answer within {timeout_s:.0f}s"))  # fmt: skip
+    return got
 
 
 def failures(results: dict[str, Any]) -> dict[str, Any]:
@@ -185,7 +200,8 @@ class StageSender:
             box["group"] = init_update_group(spec.backend, address, port, spec.world, 0, name, spec.connect_timeout_s,
                                              store=store)  # fmt: skip
 
-        results = in_threads({**calls, "trainer": join}, spec.connect_timeout_s + 20)
+        refused = lambda key, result: key != "trainer" and bool(failures({key: result}))  # noqa: E731
+        results = in_threads({**calls, "trainer": join}, spec.connect_timeout_s + 20, give_up=refused)  # fail fast
         failed = failures(results)
         if failed:
             if "group" in box:

@@ -1,10 +1,11 @@
 """Chaos over the real local launcher (`python -m megatron_sao run`, the tiny style example), seeded: SIGKILL the
 rollout worker, then the engine (the run restarts each), then the run itself -- the learner, whose engine and worker
-must die with it --, cut a spooled trajectory in half (a torn write), resume, SIGTERM it mid-run (clean stop),
-resume to the end. At the end the run reached its steps and the trajectory ledger's check passes: every trajectory
-trained exactly once, dropped as stale, pending, or -- the torn one -- its prompt generated again. The default tier
-runs one seed; the slow tier several. With SAO_CHAOS_REPORT_DIR set, each run writes what it injected, the time to
-the next trained step after each fault and the ledger's counts there (tools/reliability_report.py)."""
+must die with it --, cut a spooled trajectory in half (a torn write), resume, SIGKILL the worker or the engine
+again, SIGTERM it mid-run (clean stop), resume to the end. At the end the run reached its steps and the trajectory
+ledger's check passes: every trajectory trained exactly once, dropped as stale, pending, or -- the torn one -- its
+prompt generated again. The default tier runs one seed; the slow tier several. With SAO_CHAOS_REPORT_DIR set, each
+run writes what it injected, the time to recover from each fault and the ledger's counts there
+(tools/reliability_report.py)."""
 
 from __future__ import annotations
 
@@ -101,6 +102,20 @@ class _Faults:
         })  # fmt: skip
 
 
+def _kill_worker(faults: _Faults, proc: subprocess.Popen[bytes]) -> None:
+    killed_at = time.time()
+    _child(proc, "rollout").kill()
+    faults.worker_back(faults.injected("SIGKILL rollout worker", until="a new worker produced"), proc, killed_at)
+
+
+def _kill_engine(faults: _Faults, proc: subprocess.Popen[bytes], url: str) -> None:
+    record, since = faults.injected("SIGKILL engine", until="the restarted engine answered /health"), time.monotonic()
+    victim = _child(proc, "engine")
+    victim.kill()
+    victim.wait(30)
+    faults.engine_back(record, proc, url, since)
+
+
 def _damage_a_spool_file(run_dir: Path, rng: random.Random) -> str | None:
     """Cut one spooled trajectory in half (a torn write that survived its rename): lost; its prompt is redone."""
     files = sorted((run_dir / "spool").glob("*/*.traj"))
@@ -123,17 +138,10 @@ def _chaos(hf_dir: Path, run_dir: Path, seed: int) -> None:
     proc = start()
     kill_worker_at = rng.randint(2, 4)
     _wait_version(run_dir, proc, kill_worker_at)
-    killed_at = time.time()
-    _child(proc, "rollout").kill()  # the supervisor restarts it; it resumes from its cursor and spool
-    faults.worker_back(faults.injected("SIGKILL rollout worker", until="a new worker produced"), proc, killed_at)
+    _kill_worker(faults, proc)  # the supervisor restarts it; it resumes from its cursor and spool
     _wait_version(run_dir, proc, kill_worker_at + rng.randint(2, 3))
     engine = f"http://127.0.0.1:{ports[ports.index('--rollout.base_port') + 1]}"
-    killed = faults.injected("SIGKILL engine", until="the restarted engine answered /health")
-    since = time.monotonic()
-    victim = _child(proc, "engine")
-    victim.kill()  # restarted on its launch weights, pushed to at the next step
-    victim.wait(30)
-    faults.engine_back(killed, proc, engine, since)
+    _kill_engine(faults, proc, engine)  # restarted on its launch weights, pushed to at once
     kill_learner_at = _version(run_dir) + rng.randint(1, 3)
     _wait_version(run_dir, proc, kill_learner_at)
     children = psutil.Process(proc.pid).children(recursive=True)
@@ -148,6 +156,10 @@ def _chaos(hf_dir: Path, run_dir: Path, seed: int) -> None:
     restarted = time.monotonic()
     proc = start()  # resumes from the last checkpoint; what it consumed after it comes again
     faults.recovered(killed, proc, restarted)
+    if rng.random() < 0.5:  # a second kill in the resumed run: the worker or the engine, by the seed
+        _kill_worker(faults, proc)
+    else:
+        _kill_engine(faults, proc, engine)
     _wait_version(run_dir, proc, _version(run_dir) + rng.randint(1, 3))
     stopping = faults.injected("SIGTERM mid-run", until="it checkpointed, stopped all, exited 0")
     proc.send_signal(signal.SIGTERM)  # mid-run: finish the step, checkpoint, exit 0

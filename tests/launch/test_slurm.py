@@ -95,6 +95,7 @@ def test_submit_runs_every_role_on_its_own_node(cluster: dict[str, str], model: 
     assert {t["worker"] for t in ledger} == {"rollout-0"} and len(ledger) == 3 * 8
     for name in ("engine-0", "learner", "rollout-0"):
         assert (run_dir / "logs" / f"{name}.log").stat().st_size > 0
+    assert_ledger_ok(run_dir)
 
 
 def test_scancel_checkpoints_and_a_resubmission_resumes(cluster: dict[str, str], model: Path, tmp_path: Path) -> None:

@@ -128,3 +128,4 @@ def test_value_pretraining_comes_first_and_resumes_mid_phase(tiny_hf_dir: Any, t
     assert [r["weight_version"] for r in steps] == [1, 2] and "value pre-training 12/12" in second.stdout
     assert all(r.get("sync/version") == r["weight_version"] for r in steps)  # pushed only once the policy moved
     assert all("sync/version" not in r for r in pre)
+    assert_ledger_ok(run_dir)  # across the SIGKILL mid pre-training and the resume

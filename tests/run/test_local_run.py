@@ -111,6 +111,7 @@ def test_run_survives_an_engine_killed_mid_run(tiny_hf_dir: Any, tmp_path: Path)
     assert records[-1]["weight_version"] == 8
     syncs = [(r["weight_version"], r.get("sync/version"), r.get("sync/failed")) for r in records]
     assert records[-1].get("sync/version") == 8 and not records[-1].get("sync/failed"), (syncs, out[-6000:])
+    assert_ledger_ok(run_dir)
 
 
 @pytest.mark.slow
@@ -138,6 +139,7 @@ def test_style_example_learns_its_task(tiny_hf_dir: Any, tmp_path: Path) -> None
     assert len(rewards) == 40
     first, last = statistics.mean(rewards[:8]), statistics.mean(rewards[-8:])
     assert last >= 0.6 and last >= first + 0.3, rewards
+    assert_ledger_ok(run_dir)
 
 
 @pytest.mark.slow
@@ -165,3 +167,4 @@ def test_the_agentic_main_job_raises_its_reward_from_a_fresh_model(tmp_path: Pat
     assert s["pretrain_steps"] == 6 and s["policy_steps"] == 60, s
     assert s["reward_after"] >= s["reward_before"] + 0.15, s
     assert "[run] reward" in done.stdout
+    assert_ledger_ok(run_dir)
