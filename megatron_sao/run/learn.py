@@ -250,7 +250,8 @@ class _Run:
         """Collective: the same batch on every rank; None when the engines may lag and should get a push first, or
         when the run is asked to stop (self.stopped says which)."""
         engine_set = self.sync.engines if self.sync is not None else None  # rank 0's
-        changed = engine_set.changed if engine_set is not None else (lambda: False)
+        # only once something was pushed: before that the engines hold the weights they started from (version 0)
+        changed = (lambda: engine_set.spec is not None and engine_set.changed()) if engine_set else (lambda: False)
         batch = None
         if self.batches is not None:
             batch = self.batches.next(self.engines.lagging, lambda: bool(self.stop.signum), changed)

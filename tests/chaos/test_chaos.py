@@ -126,13 +126,14 @@ def _damage_a_spool_file(run_dir: Path, rng: random.Random) -> str | None:
     return victim.name
 
 
-def _chaos(hf_dir: Path, run_dir: Path, seed: int) -> None:
+def _chaos(hf_dir: Path, run_dir: Path, seed: int, spool: bool = True) -> None:
     from megatron_sao.run.ledger import check_ledger
 
     rng = random.Random(seed)
     faults = _Faults(run_dir, seed)
     ports = _cmd(hf_dir, run_dir)  # fixed ports for every restart of this run
     cmd = [*ports, "--learner.max_steps", str(MAX_STEPS), "--learner.save_interval", "2"]
+    cmd += [] if spool else ["--bus.spool_dir", "null"]  # what a killed worker sent is lost: its prompts come again
     start = lambda: subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,  # noqa: E731
                                      env=_env())  # fmt: skip
     proc = start()
@@ -169,7 +170,7 @@ def _chaos(hf_dir: Path, run_dir: Path, seed: int) -> None:
     assert proc.wait(timeout=600) == 0
     assert _version(run_dir) == MAX_STEPS
     report = check_ledger(run_dir)
-    faults.write("chaos", report)
+    faults.write("chaos" if spool else "chaos-nospool", report)
     assert report.ok and report.produced > 0, report.describe()
     assert not torn or report.spool_lost == 1, report.describe()  # found, named, and its prompt generated again
 
@@ -184,3 +185,11 @@ def test_a_run_killed_and_stopped_at_random_points_loses_nothing(tiny_hf_dir: An
 @pytest.mark.parametrize("seed", [2, 3, 4])
 def test_chaos_more_seeds(tiny_hf_dir: Any, tmp_path: Path, seed: int) -> None:
     _chaos(Path(tiny_hf_dir("qwen3_moe")), tmp_path / "run", seed=seed)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_without_a_spool_what_a_crash_loses_is_generated_again(tiny_hf_dir: Any, tmp_path: Path) -> None:
+    """bus.spool_dir null: a killed worker's and a killed run's unsent or uncommitted trajectories are gone, but
+    the worker's cursor kept their prompts pending until the learner committed them, so they are generated again."""
+    _chaos(Path(tiny_hf_dir("qwen3_moe")), tmp_path / "run", seed=5, spool=False)
