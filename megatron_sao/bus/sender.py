@@ -219,6 +219,12 @@ class TrajectorySender:
         with self._outbox.cv:
             return [e.trajectory_id for e in self._outbox.entries.values()]
 
+    def acknowledge_lost(self, trajectory_id: str) -> None:
+        """The producer has recorded that `trajectory_id` was lost from a damaged spool file (rejected() reason
+        spool_corrupt) and acted on it; later starts stop reporting it. Until then every start reports it again."""
+        if self._spool is not None:
+            self._spool.acknowledge_lost(trajectory_id)
+
     def rejected(self) -> list[tuple[str, str, str]]:
         """(trajectory_id, reason, detail) of recent trajectories the receiver refused for good, or lost from a damaged
         spool file (reason "spool_corrupt": the producer should generate its prompt again)."""

@@ -72,8 +72,10 @@ class Spool:
             try:
                 self.entries.append(self._scan(path))
             except (SpoolCorrupt, struct.error) as e:
-                self.lost_at_open.append((_peek_id(path) or f"<unreadable {path.name}>", str(e) or "cut short"))
-                self._quarantine(path)
+                self._quarantine(path, str(e) or "cut short")
+        for path in sorted((self.dir / "corrupt").glob("*.traj")):  # this start's, and any a dead producer left
+            why = (path.with_suffix(".why").read_text() if path.with_suffix(".why").is_file() else "") or "damaged"
+            self.lost_at_open.append((_peek_id(path) or f"<unreadable {path.name}>", why))
         self.entries.sort(key=lambda e: e.seq)
         start = max([int(meta.get("reserved", 0))] + [e.seq + 1 for e in self.entries])
         self._next = start
@@ -152,7 +154,7 @@ class Spool:
             len(data) < len(MAGIC) + _FIXED.size + _CRC.size
             or zlib.crc32(memoryview(data)[: -_CRC.size]) != (_CRC.unpack_from(data, len(data) - _CRC.size)[0])
         ):
-            self._quarantine(path)
+            self._quarantine(path, "checksum mismatch")
             raise SpoolCorrupt(f"{path}: checksum mismatch (moved to {self.dir / 'corrupt'})")
         off = len(MAGIC)
         _seq, n_frames, id_len = _FIXED.unpack_from(data, off)
@@ -169,11 +171,19 @@ class Spool:
     def delete(self, seq: int) -> None:
         self._path(seq).unlink(missing_ok=True)
 
-    def _quarantine(self, path: Path) -> None:
+    def _quarantine(self, path: Path, why: str = "") -> None:
+        """Move a damaged file to corrupt/, where every start reports it (lost_at_open) until acknowledge_lost()."""
         bad = self.dir / "corrupt"
         bad.mkdir(exist_ok=True)
+        (bad / path.name).with_suffix(".why").write_text(why)
         os.replace(path, bad / path.name)
         self.quarantined.append(path.name)
+
+    def acknowledge_lost(self, trajectory_id: str) -> None:
+        """The producer recorded the loss (and re-opened its prompt): stop reporting the damaged file at start."""
+        for path in (self.dir / "corrupt").glob("*.traj"):
+            if (_peek_id(path) or f"<unreadable {path.name}>") == trajectory_id:
+                path.rename(path.with_suffix(".reported"))
 
     def close(self) -> None:
         if self._lock_fd >= 0:

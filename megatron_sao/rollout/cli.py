@@ -35,6 +35,9 @@ class StoppableSink:
     def rejected(self) -> list[tuple[str, str, str]]:
         return self.sender.rejected()
 
+    def acknowledge_lost(self, trajectory_id: str) -> None:
+        self.sender.acknowledge_lost(trajectory_id)
+
     def volatile_ids(self) -> set[str]:
         """Sent, not yet committed and not spooled: lost if this process dies now (bus.spool_dir unset)."""
         return set() if self.sender.durable else set(self.sender.pending_ids())

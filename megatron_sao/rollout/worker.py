@@ -328,6 +328,8 @@ class RolloutWorker:
                     self._sent = {ident for ident in self._sent if ident[0] != key}
                 self.cursor.reopen(key)
                 self.save_state()
+            if reason == "spool_corrupt" and hasattr(self.sink, "acknowledge_lost"):
+                self.sink.acknowledge_lost(tid)  # recorded (and re-opened): later starts need not report it again
 
     def _prompt_of(self, trajectory_id: str) -> str | None:
         """The prompt key a trajectory was generated from, from this worker's ledger (it may predate this process)."""

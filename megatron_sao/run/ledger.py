@@ -136,6 +136,7 @@ def check_ledger(
     produced: dict[str, dict[str, Any]] = {}
     sending: dict[str, dict[str, Any]] = {}
     refused: set[str] = set()
+    spool_lost: set[str] = set()
     last_try: dict[tuple[str, str], float] = {}  # (worker, prompt) -> time of its latest sample on record
     accounted_prompts: set[tuple[str, str]] = set()
     done_prompts: list[tuple[str, str]] = []
@@ -163,8 +164,8 @@ def check_ledger(
         elif event == "prompt_done":
             done_prompts.append((line["worker"], line["prompt"]))
         elif event == "rejected":
-            if line.get("reason") == "spool_corrupt":
-                report.spool_lost += 1
+            if line.get("reason") == "spool_corrupt":  # reported again if its worker died before acknowledging
+                spool_lost.add(str(line["id"]))
             else:
                 report.rejected += 1
                 refused.add(str(line["id"]))
@@ -188,6 +189,7 @@ def check_ledger(
             report.violations.append(f"trajectory {tid} was trained but its worker never sent it")
     fate = set(counts) | stale | pending | held | refused
     queued = {w: queued_prompts(run, w) for w in workers_with_ledgers}
+    report.spool_lost = len(spool_lost)
     report.cut = sum(1 for tid in sending if tid not in produced and tid not in fate)
     for tid, line in produced.items():
         if tid in fate:

@@ -83,3 +83,8 @@ def test_a_file_cut_after_its_header_names_the_lost_trajectory_to_the_sender(tmp
         ((tid, reason, detail),) = sender.rejected()
         assert (tid, reason) == ("t1", "spool_corrupt") and "size" in detail
     assert (tmp_path / "w" / "corrupt" / path.name).exists()
+    with TrajectorySender(cfg, "w") as sender:  # the producer died before recording it: reported again
+        assert [(t, r) for t, r, _ in sender.rejected()] == [("t1", "spool_corrupt")]
+        sender.acknowledge_lost("t1")
+    with TrajectorySender(cfg, "w") as sender:  # recorded: no more
+        assert sender.rejected() == [] and sender.pending_ids() == ["t0", "t2"]
