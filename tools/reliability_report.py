@@ -39,6 +39,8 @@ SINGLE_FAULTS = {  # fault -> the tests that inject it (each asserts the named e
         ["tests/weight_sync/test_weight_sync.py::test_a_push_refused_at_any_bucket_leaves_the_engine_as_it_was",
          "tests/weight_sync/test_weight_sync.py::test_a_push_cut_at_any_bucket_leaves_the_engine_as_it_was",
          "tests/weight_sync/test_weight_sync.py::test_an_engine_killed_mid_push_fails_the_push_and_the_next_goes_to_the_others"],
+    "an engine refusing to join an update group: the push fails at once, not after connect_timeout_s":
+        ["tests/weight_sync/test_connect.py"],
     "spool file cut mid-write or torn after its rename":
         ["tests/bus/test_spool.py"],
     "two workers with one id; trajectories not durable at a crash; a lost trajectory's prompt":
