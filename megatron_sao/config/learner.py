@@ -8,6 +8,8 @@ from pydantic import Field, model_validator
 
 from megatron_sao.config.base import Section
 
+Recompute = Literal["none", "selective", "full"]
+
 
 class RoleOptimConfig(Section):
     """Optimizer, schedule and trainable set of one role (policy or value)."""
@@ -70,6 +72,12 @@ class LearnerConfig(Section):
 
     policy: PolicyOptimConfig = Field(default_factory=PolicyOptimConfig)
     value: ValueOptimConfig = Field(default_factory=ValueOptimConfig)
+
+    recompute: Recompute = "none"
+    """Activation recomputation (megatron recompute_granularity): selective recomputes each layer's core attention
+    in backward; full keeps only every layer's input and recomputes the layer (uniform, one layer per checkpoint):
+    the activations of a long micro-batch drop to a layer's worth at ~1/3 more compute. `python -m megatron_sao plan`
+    shows what each needs."""
 
     use_distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (megatron DistributedOptimizer)."""

@@ -91,7 +91,7 @@ class Learner:
             self.policy = build_role(
                 self.spec, cfg.parallel, "policy", learner.policy, total_steps=learner.max_steps,
                 use_distributed_optimizer=learner.use_distributed_optimizer,
-                moe_aux_loss_coeff=learner.moe_aux_loss_coeff,
+                moe_aux_loss_coeff=learner.moe_aux_loss_coeff, recompute=learner.recompute,
             )  # fmt: skip
         self.value: RoleModel | None = None
         if "value" in roles:
@@ -99,6 +99,7 @@ class Learner:
                 self.spec, cfg.parallel, "value", learner.value,
                 total_steps=learner.max_steps * algo.value.updates_per_policy_step,
                 use_distributed_optimizer=learner.use_distributed_optimizer, seed=learner.seed,
+                recompute=learner.recompute,
             )  # fmt: skip
         self.hf_source: dict[str, Any] | None = None
         """Where the weights came from (models.checkpoint.hf_source_record: HF config, each tensor's HF dtype, tied

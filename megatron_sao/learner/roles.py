@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from megatron_sao.config.learner import RoleOptimConfig
+from megatron_sao.config.learner import Recompute, RoleOptimConfig
 from megatron_sao.config.parallel import ParallelConfig
-from megatron_sao.models.builder import ModelSpec, Role, build_model, transformer_config
+from megatron_sao.models.builder import ModelSpec, Role, build_model, recompute_settings, transformer_config
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,20 @@ class RoleModel:
         return float(self.optimizer.param_groups[0]["lr"])
 
 
+def _grad_into_frozen_embedding(model: Any) -> None:
+    """Full recomputation checkpoints each layer with a reentrant autograd function, which gives no gradient to the
+    layer's parameters when none of its inputs requires one: with the embedding frozen (the critic) the first
+    layer's MLPs would silently stop training. The embedding's output is made to require a gradient instead."""
+    embedding = getattr(model, "embedding", None)
+    if embedding is None or any(p.requires_grad for p in embedding.parameters()):
+        return
+
+    def needs_grad(module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        return output.requires_grad_() if torch.is_grad_enabled() and not output.requires_grad else output
+
+    embedding.register_forward_hook(needs_grad)
+
+
 def wrap_ddp_and_optimizer(
     model: Any, config: Any, optim: RoleOptimConfig, use_distributed_optimizer: bool
 ) -> tuple[Any, Any]:
@@ -135,13 +149,17 @@ def build_role(
     use_distributed_optimizer: bool,
     moe_aux_loss_coeff: float = 0.0,
     seed: int = 0,
+    recompute: Recompute = "none",
 ) -> RoleModel:
     """Build, freeze, wrap and attach an optimizer; weights are still the random init (load them next)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    config = transformer_config(spec, parallel, moe_aux_loss_coeff=moe_aux_loss_coeff if role == "policy" else 0.0)
+    config = transformer_config(spec, parallel, moe_aux_loss_coeff=moe_aux_loss_coeff if role == "policy" else 0.0,
+                                **recompute_settings(recompute))  # fmt: skip
     model = build_model(spec, config, role, value_head_seed=seed)
     report = select_trainable(model, optim.trainable, optim.frozen)
+    if recompute == "full":
+        _grad_into_frozen_embedding(model)
     if report.trainable_numel == 0 and report.frozen_numel != 0:
         logger.warning("%s: no trainable parameters on this rank (patterns %s)", role, optim.trainable)
     if torch.cuda.is_available():

@@ -134,6 +134,15 @@ def numerics(dtype: str, use_te: bool, rope_fusion: bool = True) -> dict[str, An
     )
 
 
+def recompute_settings(mode: str) -> dict[str, Any]:
+    """TransformerConfig fields of `learner.recompute` (none, selective, full)."""
+    if mode == "selective":
+        return dict(recompute_granularity="selective")
+    if mode == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return {}
+
+
 def transformer_config(
     spec: ModelSpec,
     parallel: ParallelConfig,
