@@ -8,6 +8,9 @@ engine --model DIR --port N [...]            embedded CPU engine speaking SGLang
 run CONFIG [--section.key VALUE ...]         the whole run: on this machine (launch.mode=local), or every role as
                                              an srun step inside a Slurm allocation (launch.mode=slurm; --dry-run
                                              prints the node map and every command)
+plan CONFIG --nodes N [--gpus-per-node 8 --gpu-mem-gb 80 --ib-gbps 400 ...]
+                                             will it fit: topology checks, per-GPU memory of the learner's stages and
+                                             the engines, the weight push's bytes and time (exit 1: what to change)
 submit CONFIG [...] [--dry-run] [--wait]     write <run_dir>/slurm.sbatch for a launch.mode=slurm run and sbatch it
 plot RUN_DIR [RUN_DIR ...] [--out DIR]       PNGs of runs' metrics (reward, masked fraction, staleness, losses, ...)
 ledger RUN_DIR                               check that every trajectory was trained once, dropped, or is pending
@@ -116,6 +119,35 @@ def _load(
     if cfg.launch.log_level != "debug":  # megatron lists every parameter of every DDP bucket at info
         logging.getLogger("megatron").setLevel(logging.WARNING)
     return cfg, args, overrides
+
+
+@command("plan")
+def _plan(ns: argparse.Namespace, rest: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m megatron_sao plan", description="capacity plan of a config")
+    p.add_argument("config", help="the run's YAML/TOML config")
+    p.add_argument("--nodes", type=int, required=True, help="nodes of the cluster (all roles)")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu-mem-gb", type=float, default=80.0, help="memory of one learner GPU")
+    p.add_argument("--engine-gpu-mem-gb", type=float, default=None, help="engine GPUs' memory (default: the same)")
+    p.add_argument("--ib-gbps", type=float, default=400.0, help="network bandwidth into one GPU, Gb/s")
+    p.add_argument("--hf-config", default=None, help="config.json (or HF directory) of the model; default: "
+                   "model.hf_path, then hf_config.json beside CONFIG")  # fmt: skip
+    args, overrides = p.parse_known_args(rest)
+    cfg = _read_config(args.config, overrides)
+    if cfg is None:
+        return 2
+    from megatron_sao.plan.plan import Hardware, make_plan, read_hf_config, render
+
+    try:
+        hf = read_hf_config(cfg, args.config, args.hf_config)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    hw = Hardware(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_mem_gb=args.gpu_mem_gb,
+                  engine_gpu_mem_gb=args.engine_gpu_mem_gb, ib_gbps=args.ib_gbps)  # fmt: skip
+    plan = make_plan(cfg, hf, hw)
+    print(render(plan, cfg, hw, args.config), end="")
+    return 0 if plan.fits else 1
 
 
 @command("run")

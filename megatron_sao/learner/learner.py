@@ -58,7 +58,7 @@ class StepPlan:
     holds_outputs: bool  # metrics.holds_outputs(): the loss functions' values live on this rank
 
 
-def _check_learner_parallelism(parallel: ParallelConfig) -> None:
+def check_learner_parallelism(parallel: ParallelConfig) -> None:
     """Refuse layouts the learner does not implement yet, instead of training on wrong numbers."""
     if parallel.context > 1:
         raise ValueError(
@@ -81,7 +81,7 @@ class Learner:
         learner.value_on_separate_ranks the launcher starts a policy job and a value job and passes {"policy"} or
         {"value"} to each."""
         roles = self._roles(cfg, roles)
-        _check_learner_parallelism(cfg.parallel)
+        check_learner_parallelism(cfg.parallel)
         self.cfg = cfg
         self.spec = spec or ModelSpec.from_config(cfg.model)
         self.use_thd = uses_transformer_engine(self.spec)  # the same decision build_role's layer specs follow

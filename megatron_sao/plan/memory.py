@@ -101,8 +101,9 @@ class RoleMemory:
 
 def role_memory(arch: Architecture, role: Role, layout: Layout, stage: int, *, dtype: str, distributed_optimizer: bool,
                 tokens: int, recompute: str = "none", flash_attention: bool = True,
-                te_layout: bool = True) -> RoleMemory:  # fmt: skip
-    """`tokens`: one packed micro-batch (learner.max_tokens_per_microbatch)."""
+                te_layout: bool = True, microbatches: int | None = None) -> RoleMemory:  # fmt: skip
+    """`tokens`: the largest packed micro-batch; `microbatches`: the most one step runs per rank (None: enough to
+    fill the pipeline)."""
     tensors = model_tensors(arch, role, tensor_parallel=layout.tp, te_layout=te_layout)
     held = stage_tensors(tensors, layout, stage, tied_policy=arch.tied and role == "policy")
     mem = RoleMemory(role)
@@ -126,14 +127,14 @@ def role_memory(arch: Architecture, role: Role, layout: Layout, stage: int, *, d
     dp, edp = (layout.dp, layout.edp) if distributed_optimizer else (1, 1)
     mem.optimizer = state_bytes * (mem.trainable_dense / dp + mem.trainable_expert / edp)
     mem.activations = activation_bytes(arch, role, layout, stage, tokens=tokens, dtype=dtype, recompute=recompute,
-                                       flash_attention=flash_attention)  # fmt: skip
+                                       flash_attention=flash_attention, microbatches=microbatches)  # fmt: skip
     return mem
 
 
-def in_flight_microbatches(layout: Layout, stage: int) -> float:
-    """Micro-batches whose activations a stage holds at once under 1F1B: PP - stage (the first stage the most);
-    interleaving adds megatron's (PP-1)/(PP*VP) penalty."""
-    base = layout.pp - stage
+def in_flight_microbatches(layout: Layout, stage: int, microbatches: int | None = None) -> float:
+    """Micro-batches whose activations a stage holds at once under 1F1B: PP - stage (the first stage the most), or
+    all of the step's when it has fewer; interleaving adds megatron's (PP-1)/(PP*VP) penalty."""
+    base = layout.pp - stage if microbatches is None else min(layout.pp - stage, microbatches)
     if layout.virtual_pipeline:
         base *= 1 + (layout.pp - 1) / (layout.pp * layout.virtual_pipeline)
     return base
@@ -200,7 +201,8 @@ class Activations:
 
 
 def activation_bytes(arch: Architecture, role: Role, layout: Layout, stage: int, *, tokens: int, dtype: str,
-                     recompute: str = "none", flash_attention: bool = True) -> Activations:  # fmt: skip
+                     recompute: str = "none", flash_attention: bool = True,
+                     microbatches: int | None = None) -> Activations:  # fmt: skip
     """Activations of one stage during a role's forward + backward: the in-flight micro-batches' saved tensors
     (the embedding output on the first stage, the fp32 softmax of the logits on the last) and what lives briefly."""
     act = 2 if dtype == "bf16" else 4
@@ -215,7 +217,7 @@ def activation_bytes(arch: Architecture, role: Role, layout: Layout, stage: int,
         transient += max(per_layer) * act
     else:
         kept = sum(per_layer)
-    saved = kept * in_flight_microbatches(layout, stage) * act
+    saved = kept * in_flight_microbatches(layout, stage, microbatches) * act
     if stage == layout.pp - 1:
         saved += s * arch.hidden / sp * act * 2  # the final norm's input and the output layer's input
         if role == "policy":  # the fp32 softmax of vocab-parallel cross-entropy; the logits and their gradient

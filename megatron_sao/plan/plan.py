@@ -1,0 +1,407 @@
+"""`python -m megatron_sao plan`: will this config fit on this cluster? The topology checks (world sizes,
+divisibility, EP against the experts, ETP, the PP layer split, engines per node, SGLang's TP/EP rules), per-GPU
+memory of every learner stage (policy + critic) and of an engine GPU, and the weight push's bytes and time.
+Every misfit names the config field to change; a learner that does not fit also gets the nearest settings that do."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatron_sao.config.tree import SAOConfig
+from megatron_sao.models.builder import ModelSpec
+from megatron_sao.models.families import detect_family
+from megatron_sao.plan.memory import GB, Activations, EngineMemory, Layout, RoleMemory, engine_memory, role_memory
+from megatron_sao.plan.tensors import Architecture, Counts, hf_counts, model_tensors
+
+RUNTIME_RESERVE_GB = 3.0
+"""Per learner GPU beyond the tensors: CUDA context, NCCL communicators' buffers, cuBLAS/TE workspaces."""
+LINK_EFFICIENCY = 0.9
+"""Share of a NIC's line rate a large NCCL broadcast reaches."""
+BUCKET_OVERHEAD_S = 0.005
+"""Per bucket of a push: the HTTP request, SGLang's dispatch, kernel launches (docs/weight_sync.md)."""
+FIELD = re.compile(r"\b((?:launch|rollout|parallel|learner|model|weight_sync|bus|algo)\.[a-z_]+(?:\.[a-z_]+)*)")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    nodes: int
+    gpus_per_node: int = 8
+    gpu_mem_gb: float = 80.0
+    engine_gpu_mem_gb: float | None = None
+    """Engine nodes' GPUs when they differ from the learner's (e.g. H200 engines beside H100 learners)."""
+    ib_gbps: float = 400.0
+    """Network bandwidth into one GPU (its NIC), Gb/s."""
+
+    @property
+    def engine_mem_gb(self) -> float:
+        return self.engine_gpu_mem_gb or self.gpu_mem_gb
+
+
+@dataclass(frozen=True)
+class Misfit:
+    field: str
+    message: str
+
+
+@dataclass
+class StagePlan:
+    stage: int
+    layers: int
+    policy: RoleMemory
+    critic: RoleMemory | None
+    sync_staging: float
+    reserve: float
+
+    @property
+    def activations(self) -> float:
+        acts = [self.policy.activations] + ([self.critic.activations] if self.critic else [])
+        return max(a.peak for a in acts if isinstance(a, Activations))
+
+    @property
+    def total(self) -> float:
+        static = self.policy.static + (self.critic.static if self.critic else 0.0)
+        return static + max(self.activations, self.sync_staging) + self.reserve
+
+
+@dataclass
+class SyncPlan:
+    bytes_per_engine_rank: float
+    buckets: int
+    sources: int
+    seconds: float
+    floor_seconds: float
+
+
+@dataclass
+class Plan:
+    counts: Counts
+    layout: Layout | None
+    world: int
+    stages: list[StagePlan] = field(default_factory=list)
+    engine: EngineMemory | None = None
+    engine_concurrency: int = 0
+    sync: SyncPlan | None = None
+    misfits: list[Misfit] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return not self.misfits
+
+    @property
+    def worst_stage(self) -> StagePlan | None:
+        return max(self.stages, key=lambda s: s.total, default=None)
+
+
+def read_hf_config(cfg: SAOConfig, config_path: str | Path | None, hf_config: str | Path | None) -> dict[str, Any]:
+    """config.json from --hf-config (a file or an HF directory), else model.hf_path, else hf_config.json beside
+    the run's config file (the examples ship their models' architecture so they plan without the weights)."""
+    candidates = []
+    if hf_config is not None:
+        p = Path(hf_config)
+        candidates.append(p / "config.json" if p.is_dir() else p)
+    else:
+        if cfg.model.hf_path:
+            candidates.append(Path(cfg.model.hf_path) / "config.json")
+        if config_path is not None:
+            candidates.append(Path(config_path).parent / "hf_config.json")
+    for c in candidates:
+        if c.is_file():
+            hf = json.loads(c.read_text())
+            hf.update(cfg.model.hf_overrides)
+            return hf
+    tried = ", ".join(str(c) for c in candidates) or "nothing"
+    raise FileNotFoundError(f"no HF config.json to plan from (tried {tried}): set model.hf_path to the model directory "
+                            "or pass --hf-config PATH (a config.json or an HF directory)")  # fmt: skip
+
+
+def _field(message: str, default: str) -> str:
+    m = FIELD.search(message)
+    return m.group(1) if m else default
+
+
+def make_plan(cfg: SAOConfig, hf: dict[str, Any], hw: Hardware) -> Plan:
+    spec = ModelSpec(family=detect_family(hf, cfg.model.family), hf=hf, dtype=cfg.model.dtype,
+                     max_seq_len=cfg.model.max_seq_len)  # fmt: skip
+    arch = Architecture.from_spec(spec)
+    cfg = cfg.model_copy(deep=True)
+    cfg.launch.gpus_per_node = hw.gpus_per_node
+    world = cfg.launch.learner_world_size
+    plan = Plan(counts=hf_counts(arch), layout=None, world=world)
+    _check_topology(cfg, arch, hw, plan)
+    if plan.layout is not None:
+        _plan_learner(cfg, arch, hw, plan)
+    if cfg.rollout.engine == "sglang":
+        _plan_engines(cfg, arch, hw, plan)
+        _plan_sync(cfg, hw, plan)
+    else:
+        plan.notes.append("rollout.engine=embedded: CPU engines, no engine GPU memory to plan")
+    return plan
+
+
+def _check_topology(cfg: SAOConfig, arch: Architecture, hw: Hardware, plan: Plan) -> None:
+    from megatron_sao.launch.nodemap import NodeMapError, placeholder_nodes
+    from megatron_sao.launch.nodemap import plan as node_map
+
+    p, r = cfg.parallel, cfg.rollout
+    from megatron_sao.learner.learner import check_learner_parallelism
+
+    checks = [
+        ("parallel.context", lambda: check_learner_parallelism(p)),
+        ("parallel.expert", lambda: arch.experts and p.check_num_experts(arch.experts)),
+        ("parallel.tensor", lambda: p.check_attention_heads(arch.heads, arch.kv_heads if arch.mla is None else None)),
+    ]
+    for name, check in checks:
+        try:
+            check()
+        except ValueError as e:
+            plan.misfits.append(Misfit(_field(str(e), name), str(e)))
+    etp = p.resolved_expert_tensor
+    if arch.experts and arch.moe_ffn % etp:
+        plan.misfits.append(Misfit("parallel.expert_tensor", f"parallel.expert_tensor={etp} does not divide the "
+                                   f"experts' {arch.moe_ffn} hidden units (moe_intermediate_size)"))  # fmt: skip
+    try:
+        plan.layout = Layout.of(p, plan.world, arch.num_layers)
+    except ValueError as e:
+        plan.misfits.append(Misfit(_field(str(e), "parallel.pipeline"), str(e)))
+    if cfg.launch.mode == "slurm":
+        try:
+            node_map(cfg, placeholder_nodes(hw.nodes))
+        except NodeMapError as e:
+            plan.misfits.append(Misfit(_field(str(e), "launch.nnodes"), str(e)))
+    elif cfg.launch.nproc_per_node > hw.gpus_per_node:
+        plan.misfits.append(Misfit("launch.nproc_per_node", f"launch.nproc_per_node={cfg.launch.nproc_per_node} "
+                                   f"exceeds --gpus-per-node={hw.gpus_per_node}"))  # fmt: skip
+    if r.engine == "sglang":
+        s = r.sglang
+        if s.tp % s.ep:
+            plan.misfits.append(Misfit("rollout.sglang.ep", f"rollout.sglang.ep={s.ep} must divide rollout.sglang.tp="
+                                       f"{s.tp}: SGLang's expert parallelism runs inside the TP group"))  # fmt: skip
+        if arch.experts and arch.experts % s.ep:
+            plan.misfits.append(Misfit("rollout.sglang.ep", f"rollout.sglang.ep={s.ep} does not divide the model's "
+                                       f"{arch.experts} routed experts"))  # fmt: skip
+        if arch.heads % s.tp:
+            plan.misfits.append(Misfit("rollout.sglang.tp", f"rollout.sglang.tp={s.tp} does not divide the model's "
+                                       f"{arch.heads} attention heads"))  # fmt: skip
+        if arch.mla is None and s.tp % arch.kv_heads and arch.kv_heads % s.tp:
+            msg = f"rollout.sglang.tp={s.tp} and the model's {arch.kv_heads} KV heads: one must divide the other"
+            plan.misfits.append(Misfit("rollout.sglang.tp", msg + " (SGLang splits or replicates them)"))
+
+
+def _learner_stages(cfg: SAOConfig, arch: Architecture, layout: Layout, hw: Hardware, *, tokens: int,
+                    recompute: str) -> list[StagePlan]:  # fmt: skip
+    learner = cfg.learner
+    use_te = cfg.model.dtype == "bf16"  # GPU bf16: Transformer Engine layers, fused attention
+    common = dict(dtype=cfg.model.dtype, distributed_optimizer=learner.use_distributed_optimizer,
+                  tokens=largest_microbatch(cfg, tokens), recompute=recompute, flash_attention=use_te,
+                  te_layout=use_te, microbatches=-(-learner.trajectories_per_step // layout.dp))  # fmt: skip
+    tensors = model_tensors(arch, "policy", tensor_parallel=layout.tp, te_layout=use_te)
+    bucket = cfg.weight_sync.bucket_mb * 2**20
+    stages = []
+    for stage in range(layout.pp):
+        policy = role_memory(arch, "policy", layout, stage, **common)
+        critic = role_memory(arch, "value", layout, stage, **common) if cfg.algo.name == "sao" else None
+        held = [t for t in tensors if t.layer is None or t.layer in layout.stage_range(stage)]
+        largest = max((t.numel * 2 for t in held if t.split != "replicated"), default=0)
+        staging = 2 * bucket + largest  # the source's send buffer, the gather's receive area, one assembled tensor
+        stages.append(StagePlan(stage, len(layout.stage_range(stage)), policy, critic, staging,
+                                RUNTIME_RESERVE_GB * GB))  # fmt: skip
+    return stages
+
+
+def largest_microbatch(cfg: SAOConfig, tokens: int) -> int:
+    """The longest packed micro-batch: the budget, or one episode longer than it (learner/packing.py gives such an
+    episode a micro-batch of its own)."""
+    return max(tokens, min(cfg.rollout.max_total_tokens, cfg.model.max_seq_len))
+
+
+def _plan_learner(cfg: SAOConfig, arch: Architecture, hw: Hardware, plan: Plan) -> None:
+    assert plan.layout is not None
+    learner = cfg.learner
+    plan.stages = _learner_stages(cfg, arch, plan.layout, hw, tokens=learner.max_tokens_per_microbatch,
+                                  recompute=learner.recompute)  # fmt: skip
+    worst = plan.worst_stage
+    limit = hw.gpu_mem_gb * GB
+    if worst is None or worst.total <= limit:
+        return
+    need = f"learner stage {worst.stage} needs {worst.total / GB:.1f} GB per GPU, more than --gpu-mem-gb="
+    need += f"{hw.gpu_mem_gb:g}"
+    for change in _learner_changes(cfg, arch, hw):
+        trial = cfg.model_copy(deep=True)
+        for key, value in change.items():
+            section, name = key.split(".")
+            setattr(getattr(trial, section), name, value)
+        try:
+            layout = Layout.of(trial.parallel, trial.launch.learner_world_size, arch.num_layers)
+        except ValueError:
+            continue
+        stages = _learner_stages(trial, arch, layout, hw, tokens=trial.learner.max_tokens_per_microbatch,
+                                 recompute=trial.learner.recompute)  # fmt: skip
+        peak = max(s.total for s in stages)
+        if peak <= limit:
+            fix = " and ".join(f"{k}={v}" for k, v in change.items())
+            plan.misfits.append(Misfit(next(iter(change)), f"{need}; {fix} fits ({peak / GB:.1f} GB)"))
+            return
+    static = worst.policy.static + (worst.critic.static if worst.critic else 0.0) + worst.reserve
+    if static > limit:
+        plan.misfits.append(Misfit("launch.nnodes", f"{need}: parameters, gradients and optimizer state alone take "
+                                   f"{static / GB:.1f} GB; raise launch.nnodes (more data-parallel ranks shard the "
+                                   "optimizer state) or parallel.expert / parallel.pipeline"))  # fmt: skip
+    else:
+        plan.misfits.append(Misfit("rollout.max_total_tokens", f"{need}: episodes reach {largest_microbatch(cfg, 0)} "
+                                   "tokens (rollout.max_total_tokens), a micro-batch of their own; lower it, or raise "
+                                   "parallel.tensor (sequence parallelism splits them)"))  # fmt: skip
+
+
+def _learner_changes(cfg: SAOConfig, arch: Architecture, hw: Hardware) -> list[dict[str, Any]]:
+    """Settings to try, least disruptive first: full recompute, smaller micro-batch budgets (with it), a doubled
+    tensor-parallel size within a node, then twice the learner nodes when the cluster has them."""
+    tokens, recompute = cfg.learner.max_tokens_per_microbatch, cfg.learner.recompute
+    out: list[dict[str, Any]] = []
+    if recompute != "full":
+        out.append({"learner.recompute": "full"})
+    for t in _halvings(tokens):
+        out.append({"learner.max_tokens_per_microbatch": t})
+        if recompute != "full":
+            out.append({"learner.recompute": "full", "learner.max_tokens_per_microbatch": t})
+    tp = cfg.parallel.tensor * 2
+    if tp <= hw.gpus_per_node and arch.heads % tp == 0 and (arch.mla or arch.kv_heads % tp == 0):
+        out.append({"parallel.tensor": tp, **({"learner.recompute": "full"} if recompute != "full" else {})})
+    la = cfg.launch
+    if la.total_nodes + la.nnodes <= hw.nodes:
+        out.append({"launch.nnodes": 2 * la.nnodes})
+    return out
+
+
+def _halvings(tokens: int) -> list[int]:
+    out, t = [], tokens // 2
+    while t >= 1024:
+        out.append(t)
+        t //= 2
+    return out
+
+
+def _engine_dtype_bytes(extra_args: list[str]) -> tuple[int, int, list[str]]:
+    """(weight bytes, KV bytes, notes) from SGLang's --quantization / --kv-cache-dtype in rollout.sglang.extra_args."""
+    args = " ".join(extra_args)
+    notes = []
+    weight = 2
+    m = re.search(r"--quantization[= ](\S+)", args)
+    if m and "fp8" in m.group(1):
+        weight = 1
+        notes.append(f"engines serve {m.group(1)} weights (--quantization): 1 byte per parameter")
+    kv = 1 if re.search(r"--kv-cache-dtype[= ]fp8", args) else 2
+    return weight, kv, notes
+
+
+def _plan_engines(cfg: SAOConfig, arch: Architecture, hw: Hardware, plan: Plan) -> None:
+    r, la = cfg.rollout, cfg.launch
+    workers = max(la.worker_nodes, la.rollout_nodes, 1) * la.workers_per_node if la.mode == "slurm" else 1
+    per_engine = math.ceil(workers * r.concurrency / r.num_engines)
+    plan.engine_concurrency = per_engine
+    weight_bytes, kv_bytes, notes = _engine_dtype_bytes(r.sglang.extra_args)
+    plan.notes += notes
+    mem = engine_memory(arch, tp=r.sglang.tp, gpu_mem=hw.engine_mem_gb * GB, mem_fraction=r.sglang.mem_fraction_static,
+                        concurrency=per_engine, max_total_tokens=r.max_total_tokens, weight_bytes=weight_bytes,
+                        kv_bytes=kv_bytes)  # fmt: skip
+    plan.engine = mem
+    budget = r.sglang.mem_fraction_static * hw.engine_mem_gb
+    if mem.pool <= 0:
+        plan.misfits.append(Misfit("rollout.sglang.tp", f"an engine GPU holds {mem.weights / GB:.1f} GB of weights "
+                                   f"(TP={r.sglang.tp}), more than rollout.sglang.mem_fraction_static x "
+                                   f"{hw.engine_mem_gb:g} GB = {budget:.1f} GB: raise rollout.sglang.tp, serve fp8 "
+                                   "weights (--quantization fp8 in rollout.sglang.extra_args) or use larger GPUs "
+                                   "(--engine-gpu-mem-gb)"))  # fmt: skip
+        return
+    if mem.capacity_tokens < r.max_total_tokens:
+        msg = f"an engine's KV cache holds {mem.capacity_tokens:,.0f} tokens, fewer than one episode of "
+        plan.misfits.append(Misfit("rollout.max_total_tokens", msg + f"rollout.max_total_tokens={r.max_total_tokens}"))
+    elif mem.capacity_tokens < mem.demand_tokens:
+        full = int(mem.capacity_tokens // r.max_total_tokens)
+        mean = mem.capacity_tokens / per_engine
+        plan.notes.append(
+            f"an engine's KV cache holds {mem.capacity_tokens:,.0f} tokens: {full} of its {per_engine} concurrent "
+            f"episodes at full length ({r.max_total_tokens} tokens); SGLang queues or retracts the rest when long "
+            f"episodes pile up (episodes of {mean:,.0f} tokens on average all fit)"
+        )
+
+
+def _plan_sync(cfg: SAOConfig, hw: Hardware, plan: Plan) -> None:
+    """SGLang's update_weights_from_distributed hands every engine rank full bf16 tensors: each receives the whole
+    model, from one source per pipeline stage (concurrent); docs/weight_sync.md."""
+    total = plan.counts.total * 2
+    bucket = cfg.weight_sync.bucket_mb * 2**20
+    pp = plan.layout.pp if plan.layout else 1
+    bandwidth = hw.ib_gbps / 8 * 1e9 * LINK_EFFICIENCY
+    receiver = total / bandwidth
+    source = total / pp / bandwidth
+    buckets = math.ceil(total / bucket)
+    floor = max(receiver, source)
+    plan.sync = SyncPlan(bytes_per_engine_rank=total, buckets=buckets, sources=pp,
+                         seconds=floor + buckets / pp * BUCKET_OVERHEAD_S, floor_seconds=floor)  # fmt: skip
+
+
+def render(plan: Plan, cfg: SAOConfig, hw: Hardware, title: str) -> str:
+    """The plan as rich tables (plain text when not a terminal)."""
+    from io import StringIO
+
+    from rich.console import Console
+    from rich.table import Table
+
+    out = StringIO()
+    console = Console(file=out, width=120, force_terminal=False, color_system=None)
+    c = plan.counts
+    console.print(f"[b]{title}[/b]: {c.total / 1e9:.1f}B parameters, {c.active / 1e9:.1f}B active per token "
+                  f"({c.active_without_embeddings / 1e9:.1f}B without embeddings); {hw.nodes} nodes x "
+                  f"{hw.gpus_per_node} GPUs, {hw.gpu_mem_gb:g} GB learner GPUs, {hw.engine_mem_gb:g} GB engine GPUs, "
+                  f"{hw.ib_gbps:g} Gb/s per GPU")  # fmt: skip
+    if plan.layout:
+        lay, mb = plan.layout, largest_microbatch(cfg, cfg.learner.max_tokens_per_microbatch)
+        console.print(f"learner: {plan.world} ranks, TP={lay.tp} PP={lay.pp} CP={lay.cp} EP={lay.ep} ETP={lay.etp} "
+                      f"DP={lay.dp} expert-DP={lay.edp}, layers per stage {list(lay.stage_layers)}, "
+                      f"micro-batches of up to {mb} tokens, recompute {cfg.learner.recompute}")  # fmt: skip
+    if plan.stages:
+        table = Table(title="learner memory per GPU (GB): weights / grads / optimizer, activations at peak")
+        for col in ("stage", "layers", "policy w/g/o", "critic w/g/o", "activations", "sync staging", "reserve",
+                    "total", f"of {hw.gpu_mem_gb:g}"):  # fmt: skip
+            table.add_column(col, justify="right")
+        for s in plan.stages:
+            crit = s.critic
+            table.add_row(str(s.stage), str(s.layers), _wgo(s.policy), _wgo(crit) if crit else "-",
+                          f"{s.activations / GB:.1f}", f"{s.sync_staging / GB:.1f}", f"{s.reserve / GB:.1f}",
+                          f"{s.total / GB:.1f}", "fits" if s.total <= hw.gpu_mem_gb * GB else "NO")  # fmt: skip
+        console.print(table)
+    if plan.engine:
+        e, r = plan.engine, cfg.rollout
+        table = Table(title=f"engine GPU ({r.num_engines} SGLang servers x TP={r.sglang.tp}, EP={r.sglang.ep})")
+        for col in ("weights GB", "KV pool GB", "KV bytes/token", "KV tokens", "episodes/engine", "full-length fit"):
+            table.add_column(col, justify="right")
+        table.add_row(f"{e.weights / GB:.1f}", f"{max(e.pool, 0) / GB:.1f}", f"{e.kv_bytes_per_token:,.0f}",
+                      f"{e.capacity_tokens:,.0f}", str(plan.engine_concurrency),
+                      str(int(e.capacity_tokens // r.max_total_tokens)))  # fmt: skip
+        console.print(table)
+    if plan.sync:
+        s = plan.sync
+        console.print(
+            f"weight push: {s.bytes_per_engine_rank / GB:.1f} GB to every engine rank (full bf16 tensors), "
+            f"{s.sources} source(s), {s.buckets} buckets of {cfg.weight_sync.bucket_mb:g} MB: {s.seconds:.1f} s "
+            f"(floor {s.floor_seconds:.1f} s at {hw.ib_gbps:g} Gb/s x {LINK_EFFICIENCY})"
+        )
+    for n in plan.notes:
+        console.print(f"note: {n}")
+    if plan.misfits:
+        console.print("[b]does not fit[/b]:")
+        for m in plan.misfits:
+            console.print(f"  {m.field}: {m.message}")
+    else:
+        console.print("[b]fits[/b]")
+    return out.getvalue()
+
+
+def _wgo(m: RoleMemory) -> str:
+    return f"{m.weights / GB:.1f} / {m.grads / GB:.1f} / {m.optimizer / GB:.1f}"

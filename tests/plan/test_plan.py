@@ -1,0 +1,105 @@
+"""`python -m megatron_sao plan`: both examples fit at the node counts their READMEs give; broken configs (EP not
+dividing the experts, a PP split that does not match the layers, a learner over 80 GB, engines whose weights do not
+fit, too few nodes, layouts the learner refuses) exit non-zero naming the field to change."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_sao.cli import main
+from megatron_sao.config import load_config
+from megatron_sao.plan.plan import Hardware, make_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+QWEN = str(ROOT / "examples/qwen3_30b/config.yaml")
+GLM = str(ROOT / "examples/glm_750b/config.yaml")
+GLM_HW = ["--nodes", "96", "--engine-gpu-mem-gb", "141"]  # H200 engine nodes (examples/glm_750b/README.md)
+
+
+def plan_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    rc = main(["plan", *argv])
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+def test_qwen_example_fits_on_six_nodes(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out = plan_cli(capsys, QWEN, "--nodes", "6")
+    assert rc == 0, out
+    assert "30.5B parameters, 3.4B active" in out and "TP=4 PP=1 CP=1 EP=16 ETP=1 DP=8 expert-DP=2" in out
+    assert out.rstrip().endswith("fits")
+
+
+def test_glm_example_fits_on_96_nodes_with_h200_engines(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out = plan_cli(capsys, GLM, *GLM_HW)
+    assert rc == 0, out
+    assert "743.9B parameters" in out and "39.9B without embeddings" in out
+    assert "layers per stage [9, 10, 10, 10, 10, 10, 10, 9]" in out  # the automatic uneven split
+    assert "engines serve fp8 weights" in out
+
+
+@pytest.mark.parametrize(
+    ("config", "argv", "rc", "field"),
+    [
+        # EP must divide the 256 routed experts (60 ranks per stage divide the world of 480 but not 256)
+        (GLM, ["--launch.nnodes", "60", "--parallel.expert", "60", "--parallel.tensor", "4"], 2, "parallel.expert"),
+        # 78 layers: 9 on the first stage and 9 on the last leave 60 for 6 stages; 8 + 9 leave 61
+        (GLM, ["--parallel.first_stage_layers", "8", "--parallel.last_stage_layers", "9"], 1,
+         "parallel.first_stage_layers"),
+        # TP=2 without recompute: 215 GB per GPU; the plan names the nearest setting that fits
+        (QWEN, ["--parallel.tensor", "2", "--learner.recompute", "none"], 1, "parallel.tensor"),
+        (QWEN, ["--launch.nnodes", "2"], 1, "launch.nnodes"),  # optimizer state alone over 80 GB
+        (QWEN, ["--parallel.context", "2"], 1, "parallel.context"),  # the learner refuses CP > 1
+        (QWEN, ["--rollout.sglang.ep", "3"], 1, "rollout.sglang.ep"),
+        (QWEN, ["--rollout.sglang.tp", "1", "--rollout.sglang.mem_fraction_static", "0.3"], 1, "rollout.sglang.tp"),
+    ],
+)  # fmt: skip
+def test_broken_configs_name_the_field(capsys: pytest.CaptureFixture[str], config: str, argv: list[str], rc: int,
+                                       field: str) -> None:  # fmt: skip
+    nodes = ["--nodes", "96", "--engine-gpu-mem-gb", "141"] if config == GLM else ["--nodes", "6"]
+    got, out = plan_cli(capsys, config, *nodes, *argv)
+    assert got == rc, out
+    assert field in out, out
+
+
+def test_glm_engines_need_more_than_80_gb(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out = plan_cli(capsys, GLM, "--nodes", "96", "--rollout.sglang.extra_args", "[]")
+    assert rc == 1
+    assert "rollout.sglang.tp: an engine GPU holds 186.0 GB of weights" in out
+
+
+def test_too_few_nodes(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out = plan_cli(capsys, QWEN, "--nodes", "5")
+    assert rc == 1 and "launch.rollout_nodes" in out and "allocate 6 nodes" in out
+
+
+def test_ep_not_dividing_experts_without_a_declared_count() -> None:
+    """The config does not declare model.num_experts (it is read from config.json): the plan itself refuses."""
+    cfg = load_config(GLM, ["--model.num_experts", "null", "--launch.nnodes", "60", "--parallel.expert", "60",
+                            "--parallel.tensor", "4"])  # fmt: skip
+    hf = json.loads((ROOT / "examples/glm_750b/hf_config.json").read_text())
+    plan = make_plan(cfg, hf, Hardware(nodes=96, engine_gpu_mem_gb=141))
+    assert [m.field for m in plan.misfits][:1] == ["parallel.expert"]
+    assert "256 routed experts" in plan.misfits[0].message
+
+
+def test_learner_memory_grows_with_the_micro_batch() -> None:
+    cfg = load_config(QWEN)
+    hf = json.loads((ROOT / "examples/qwen3_30b/hf_config.json").read_text())
+    small = make_plan(load_config(QWEN, ["--rollout.max_total_tokens", "8192", "--learner.max_tokens_per_microbatch",
+                                         "8192"]), hf, Hardware(nodes=6))  # fmt: skip
+    full = make_plan(cfg, hf, Hardware(nodes=6))
+    assert small.worst_stage.activations < full.worst_stage.activations / 3
+    assert small.worst_stage.policy.static == full.worst_stage.policy.static
+
+
+def test_missing_model_config_is_a_clear_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text((ROOT / "examples/qwen3_30b/config.yaml").read_text())
+    rc, out = plan_cli(capsys, str(config), "--nodes", "6")
+    assert rc == 2 and "model.hf_path" in out and "--hf-config" in out
+    rc, out = plan_cli(capsys, str(config), "--nodes", "6", "--hf-config", str(ROOT / "examples/qwen3_30b"
+                                                                               "/hf_config.json"))  # fmt: skip
+    assert rc == 0, out
