@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from megatron_sao.learner.roles import RoleModel
+from megatron_sao.models.builder import ModelSpec
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:
@@ -57,3 +58,38 @@ def saved_activations(exclude: set[tuple[int, int]]) -> Iterator[Callable[[], in
 
 def parameter_storages(role: RoleModel) -> set[tuple[int, int]]:
     return {_storage(p.data) for p in role.model.parameters()}
+
+
+def measure_roles(hf_dir: str, tokens: int, recompute: str) -> dict[str, Any]:
+    """Per role: the static bytes after one optimizer step, the saved activations of one forward of `tokens`
+    tokens, and the gradient norm that step produced."""
+    from megatron_sao.config import load_config
+    from megatron_sao.distributed import destroy_distributed, init_distributed
+    from megatron_sao.learner.forward import token_logprobs
+    from megatron_sao.learner.roles import build_role
+
+    cfg = load_config(None, ["--model.hf_path", hf_dir, "--model.dtype", "fp32", "--learner.recompute", recompute])
+    init_distributed(cfg.parallel, seed=7)
+    spec = ModelSpec.from_config(cfg.model)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, spec.vocab_size, (1, tokens), generator=g)
+    positions = torch.arange(tokens).view(1, -1)
+    mask = torch.triu(torch.ones(1, 1, tokens, tokens, dtype=torch.bool), diagonal=1)
+    out: dict[str, Any] = {}
+    for role, optim in (("policy", cfg.learner.policy), ("value", cfg.learner.value)):
+        rm = build_role(spec, cfg.parallel, role, optim, total_steps=1, use_distributed_optimizer=True, seed=1,
+                        recompute=recompute)  # fmt: skip
+        rm.zero_grad()
+        with saved_activations(parameter_storages(rm)) as saved:
+            output = rm.model(ids, positions, mask)
+            if role == "policy":
+                loss = -token_logprobs(output.reshape(tokens, -1), ids.roll(-1, 1)[0], 1.0, spec.vocab_size).mean()
+            else:
+                loss = output.float().pow(2).mean()
+            activations = saved()
+        loss.backward()
+        rm.ddp.finish_grad_sync()
+        ok, grad_norm = rm.step()
+        out[role] = {**static_bytes(rm), "activations": activations, "grad_norm": grad_norm, "ok": ok}
+    destroy_distributed()
+    return out
