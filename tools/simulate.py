@@ -126,6 +126,123 @@ def calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def physics(cfg: Any, plan: Any, arch: Any, gpu: str, engine_gpu: str, mfu: float, concurrency_per_engine: int,
+            mean_context: float) -> tuple[EngineModel, Any]:  # fmt: skip
+    """The engine's decode iteration from the bytes one engine GPU reads (its share of the weights of the experts a
+    batch touches, each sequence's KV cache) at 70% of HBM bandwidth, prefill at 50% of peak FLOP/s; the learner's
+    step from FLOPs per token at `mfu` over its GPUs."""
+    from megatron_sao.plan.simulate import LearnerModel
+
+    peak, hbm = GPUS[engine_gpu]
+    r = cfg.rollout
+    weight_bytes = 1 if any("fp8" in a for a in r.sglang.extra_args) else 2
+    counts = plan.counts
+    dense = counts.total - _routed(arch)
+    touched = 1 - (1 - arch.topk / arch.experts) ** concurrency_per_engine if arch.experts else 0.0
+    per_gpu = (dense + _routed(arch) * touched) * weight_bytes / r.sglang.tp
+    tau0 = per_gpu / (0.7 * hbm)
+    kv = plan.engine.kv_bytes_per_token if plan.engine else 0.0
+    flops_token = 2 * counts.active / r.sglang.tp
+    tau1 = mean_context * kv / (0.7 * hbm) + flops_token / (0.5 * peak)
+    iteration = tau0 + tau1 * concurrency_per_engine
+    prefill = flops_token / (0.5 * peak) / iteration  # iterations per prefilled token
+    engine = EngineModel(tau0, tau1, prefill, turn_overhead_s=0.005)
+    k = cfg.algo.value.updates_per_policy_step
+    fwd_bwd = 4 if cfg.learner.recompute == "full" else 3  # x 2N FLOPs per token: forward, backward (+ recompute)
+    per_token = {"grpo": fwd_bwd, "grpo_async": fwd_bwd, "sao": fwd_bwd + 1 + k * fwd_bwd}  # + values, K critic updates
+    rate = plan.world * GPUS[gpu][0] * mfu
+
+    def step_s(arm: str, n: int, tokens: int) -> float:
+        return 2 * counts.active * tokens * per_token[arm] / rate + 0.5  # + optimizer steps and collectives
+
+    sync = plan.sync.seconds if plan.sync else 0.0
+    return engine, lambda scale: LearnerModel(step_s, push_s=sync * scale, push_every=cfg.weight_sync.interval)
+
+
+def _routed(arch: Any) -> int:
+    return 2 * 3 * arch.hidden * arch.moe_ffn * arch.experts * sum(arch.moe_layers) // 2
+
+
+def project(args: argparse.Namespace) -> int:
+    from megatron_sao.config import load_config
+    from megatron_sao.models.builder import ModelSpec
+    from megatron_sao.models.families import detect_family
+    from megatron_sao.plan.plan import Hardware, make_plan, read_hf_config
+    from megatron_sao.plan.tensors import Architecture
+
+    cfg = load_config(args.config, args.overrides)
+    hf = read_hf_config(cfg, args.config, None)
+    arch = Architecture.from_spec(ModelSpec(family=detect_family(hf, cfg.model.family), hf=hf, dtype=cfg.model.dtype))
+    plan = make_plan(cfg, hf, Hardware(nodes=args.nodes, engine_gpu_mem_gb=args.engine_gpu_mem_gb))
+    if not plan.fits:
+        print("the config does not fit (python -m megatron_sao plan): " + "; ".join(m.message for m in plan.misfits))
+        return 1
+    bench = json.loads(Path(args.source).read_text())
+    records = tuple(t for r in bench["runs"] if r["arm"] != "sao" for t in r["per_trajectory"])
+    base = EpisodeSource(records)
+    turns = statistics.fmean(int(t["turns"]) for t in records)
+    gen = statistics.fmean(t["action_tokens"] / max(1, int(t["turns"])) for t in records)
+    prefill = statistics.fmean((t["tokens"] - t["action_tokens"]) / max(1, int(t["turns"])) for t in records)
+    tool = statistics.fmean(t["tool_s"] / max(1, int(t["turns"]) - 1) for t in records if int(t["turns"]) > 1)
+
+    def source(tail: float) -> EpisodeSource:
+        return EpisodeSource(base.records, gen_scale=args.gen_tokens_per_turn / gen,
+                             prefill_scale=args.prefill_tokens_per_turn / prefill, tool_scale=args.tool_s / tool,
+                             tail_scale=tail)  # fmt: skip
+
+    engines = cfg.rollout.num_engines
+    in_flight = plan.engine_concurrency * engines
+    mean_context = turns * (args.gen_tokens_per_turn + args.prefill_tokens_per_turn) / 2
+    engine_gpu = args.engine_gpu or args.gpu
+    engine, learner_at = physics(cfg, plan, arch, args.gpu, engine_gpu, args.mfu, plan.engine_concurrency,
+                                 mean_context)  # fmt: skip
+    t = cfg.learner.trajectories_per_step
+    batch = in_flight // args.group * args.group
+
+    def scenarios(learner: Any, tail: float) -> dict[str, dict[str, float]]:
+        out = {}
+        for arm in ARMS:
+            per_step = t if arm == "sao" else batch
+            sc = Scenario(arm, engines=engines, concurrency=in_flight, trajectories_per_step=per_step,
+                          steps=max(4, args.trajectories // per_step), group=1 if arm == "sao" else args.group,
+                          max_staleness=cfg.bus.max_staleness, seed=0)  # fmt: skip
+            out[arm] = simulate(sc, engine, learner, source(tail)).summary()
+        return out
+
+    base_run = scenarios(learner_at(1.0), 1.0)
+    print(f"{args.config}: {engines} engines x TP={cfg.rollout.sglang.tp} ({in_flight} episodes in flight), learner "
+          f"{plan.world} x {args.gpu} at MFU {args.mfu}; episodes: {turns:.1f} turns on average (recorded tail), "
+          f"{args.gen_tokens_per_turn} generated + {args.prefill_tokens_per_turn} prefilled tokens and a "
+          f"{args.tool_s:g} s tool call per turn; push {plan.sync.seconds if plan.sync else 0:.1f} s every "
+          f"{cfg.weight_sync.interval} step(s); decode iteration {engine.tau0 * 1e3:.1f} ms + "
+          f"{engine.tau1 * 1e3:.3f} ms x batch")  # fmt: skip
+    print(f"{'arm':<11} {'per step':>8} {'traj/hour':>10} {'learner busy':>12} {'engine busy':>11} "
+          f"{'staleness mean/p90/max':>22} {'dropped':>8}")  # fmt: skip
+    for arm, r in base_run.items():
+        per_step = t if arm == "sao" else batch
+        print(f"{arm:<11} {per_step:>8} {r['trajectories_per_hour']:>10,.0f} {r['learner_busy']:>12.2f} "
+              f"{r['engine_busy']:>11.2f} {r['staleness_mean']:>10.2f} / {r['staleness_p90']:.0f} / "
+              f"{r['staleness_max']:.0f} {r['dropped'] / max(1, r['dropped'] + r['trained']):>8.1%}")  # fmt: skip
+    sens = []
+    for tail in (1.0, 2.0, 4.0):
+        for push in (0.25, 1.0, 4.0):
+            run = base_run if (tail, push) == (1.0, 1.0) else scenarios(learner_at(push), tail)
+            sao = run["sao"]["trajectories_per_hour"]
+            per_hour = {a: run[a]["trajectories_per_hour"] for a in ARMS}
+            sens.append({"tail_scale": tail, "push_scale": push, "sao_over_grpo": sao / per_hour["grpo"],
+                         "sao_over_grpo_async": sao / per_hour["grpo_async"], "per_hour": per_hour})  # fmt: skip
+    print("speed-up of SAO (trajectories/hour) by length tail (x turns above the median) and push time (x planned):")
+    print(f"{'tail':>5} {'push':>5} {'sao/grpo':>9} {'sao/grpo_async':>15}")
+    for row in sens:
+        print(f"{row['tail_scale']:>5g} {row['push_scale']:>5g} {row['sao_over_grpo']:>9.2f} "
+              f"{row['sao_over_grpo_async']:>15.2f}")  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(json.dumps({"config": args.config, "engine": engine.__dict__, "arms": base_run,
+                                              "sensitivity": sens, "args": {k: v for k, v in vars(args).items()
+                                              if k != "overrides"}}, indent=1, default=str) + "\n")  # fmt: skip
+    return 0
+
+
 def _ledger_mean(bench: dict[str, Any], arm: str, key: str) -> float:
     return statistics.median(r[key] for r in bench["runs"] if r["arm"] == arm)
 
@@ -137,10 +254,27 @@ def main() -> int:
     c.add_argument("--from", dest="source", default=str(REPO / "docs/results/pipeline_efficiency.json"))
     c.add_argument("--seeds", type=int, default=5)
     c.add_argument("--out", default=None)
-    args = p.parse_args()
+    j = sub.add_parser("project", help="an example's cluster run: the three arms, sensitivity to tail and push")
+    j.add_argument("config")
+    j.add_argument("--nodes", type=int, required=True)
+    j.add_argument("--engine-gpu-mem-gb", type=float, default=None)
+    j.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="the learner's GPUs")
+    j.add_argument("--engine-gpu", choices=sorted(GPUS), default=None, help="the engines' GPUs (default: --gpu)")
+    j.add_argument("--mfu", type=float, default=0.25, help="learner model FLOP utilization")
+    j.add_argument("--gen-tokens-per-turn", type=int, default=600)
+    j.add_argument("--prefill-tokens-per-turn", type=int, default=400)
+    j.add_argument("--tool-s", type=float, default=3.0, help="mean seconds of a tool call")
+    j.add_argument("--group", type=int, default=8, help="grpo arms: samples per prompt")
+    j.add_argument("--trajectories", type=int, default=4096, help="trajectories each arm trains")
+    j.add_argument("--from", dest="source", default=str(REPO / "docs/results/pipeline_efficiency.json"))
+    j.add_argument("--out", default=None)
+    args, overrides = p.parse_known_args()
+    args.overrides = overrides
     if args.command == "calibrate":
+        if overrides:
+            p.error(f"unknown arguments {overrides}")
         return calibrate(args)
-    return 2
+    return project(args)
 
 
 if __name__ == "__main__":

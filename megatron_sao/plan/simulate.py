@@ -111,6 +111,8 @@ class LearnerModel:
     """Learner seconds per weight push."""
     engine_pause_s: float | None = None
     """Seconds each push stops the engines (None: the whole push)."""
+    push_every: int = 1
+    """Steps between pushes (weight_sync.interval; sao only: the grpo arms wait for each step's weights)."""
 
 
 @dataclass(frozen=True)
@@ -359,6 +361,10 @@ def simulate(sc: Scenario, engine: EngineModel, learner: LearnerModel, source: E
             if steps_done >= sc.steps:
                 stopping = True
                 break
+            if sc.arm == "sao" and steps_done % learner.push_every:  # the grpo arms push every step
+                learner_free = True
+                try_train()
+                continue
             result.learner_busy_s += learner.push_s
             pause = learner.push_s if learner.engine_pause_s is None else learner.engine_pause_s
             for i, eng in enumerate(engines):
