@@ -50,6 +50,7 @@ def test_sao_streams_and_bounds_staleness() -> None:
 def test_one_iteration_serves_the_whole_batch() -> None:
     """8 episodes at once on one engine take as long as one when the iteration does not grow with the batch, and
     longer when each sequence adds to it."""
+
     def window(engine: EngineModel, batch: int) -> float:
         return simulate(Scenario("grpo", engines=1, concurrency=batch, trajectories_per_step=batch, steps=1,
                                  group=batch), engine, LEARNER, EpisodeSource(ONE_TURN)).window_s  # fmt: skip
