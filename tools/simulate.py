@@ -49,8 +49,16 @@ GPUS = {  # bf16 dense peak FLOP/s, HBM bytes/s
 }
 
 
-def _median_runs(results: list[dict[str, float]]) -> dict[str, float]:
-    return {k: statistics.median(r[k] for r in results) for k in results[0]}
+def _median_runs(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over seeds; histograms summed."""
+    out: dict[str, Any] = {}
+    for k, v in results[0].items():
+        if isinstance(v, dict):
+            keys = sorted({b for r in results for b in r[k]}, key=int)
+            out[k] = {b: sum(r[k].get(b, 0) for r in results) for b in keys}
+        else:
+            out[k] = statistics.median(r[k] for r in results)
+    return out
 
 
 def calibration_scenarios(bench: dict[str, Any]) -> dict[str, tuple[Scenario, LearnerModel]]:

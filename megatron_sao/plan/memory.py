@@ -101,10 +101,12 @@ class RoleMemory:
 
 def role_memory(arch: Architecture, role: Role, layout: Layout, stage: int, *, dtype: str, distributed_optimizer: bool,
                 tokens: int, recompute: str = "none", flash_attention: bool = True,
-                te_layout: bool = True, microbatches: int | None = None) -> RoleMemory:  # fmt: skip
+                te_layout: bool = True, microbatches: int | None = None,
+                tensors: list[TensorSpec] | None = None) -> RoleMemory:  # fmt: skip
     """`tokens`: the largest packed micro-batch; `microbatches`: the most one step runs per rank (None: enough to
-    fill the pipeline)."""
-    tensors = model_tensors(arch, role, tensor_parallel=layout.tp, te_layout=te_layout)
+    fill the pipeline); `tensors`: the role's model_tensors when the caller has them already."""
+    if tensors is None:
+        tensors = model_tensors(arch, role, tensor_parallel=layout.tp, te_layout=te_layout)
     held = stage_tensors(tensors, layout, stage, tied_policy=arch.tied and role == "policy")
     mem = RoleMemory(role)
     buffers = 0

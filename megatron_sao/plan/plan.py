@@ -147,10 +147,9 @@ def make_plan(cfg: SAOConfig, hf: dict[str, Any], hw: Hardware) -> Plan:
 def _check_topology(cfg: SAOConfig, arch: Architecture, hw: Hardware, plan: Plan) -> None:
     from megatron_sao.launch.nodemap import NodeMapError, placeholder_nodes
     from megatron_sao.launch.nodemap import plan as node_map
-
-    p, r = cfg.parallel, cfg.rollout
     from megatron_sao.learner.learner import check_learner_parallelism
 
+    p, r = cfg.parallel, cfg.rollout
     checks = [
         ("parallel.context", lambda: check_learner_parallelism(p)),
         ("parallel.expert", lambda: arch.experts and p.check_num_experts(arch.experts)),
@@ -201,11 +200,14 @@ def _learner_stages(cfg: SAOConfig, arch: Architecture, layout: Layout, hw: Hard
                   tokens=largest_microbatch(cfg, tokens), recompute=recompute, flash_attention=use_te,
                   te_layout=use_te, microbatches=-(-learner.trajectories_per_step // layout.dp))  # fmt: skip
     tensors = model_tensors(arch, "policy", tensor_parallel=layout.tp, te_layout=use_te)
+    critic_tensors = model_tensors(arch, "value", tensor_parallel=layout.tp, te_layout=use_te)
     bucket = cfg.weight_sync.bucket_mb * 2**20
     stages = []
     for stage in range(layout.pp):
-        policy = role_memory(arch, "policy", layout, stage, **common)
-        critic = role_memory(arch, "value", layout, stage, **common) if cfg.algo.name == "sao" else None
+        policy = role_memory(arch, "policy", layout, stage, tensors=tensors, **common)
+        critic = None
+        if cfg.algo.name == "sao":
+            critic = role_memory(arch, "value", layout, stage, tensors=critic_tensors, **common)
         held = [t for t in tensors if t.layer is None or t.layer in layout.stage_range(stage)]
         largest = max((t.numel * 2 for t in held if t.split != "replicated"), default=0)
         staging = 2 * bucket + largest  # the source's send buffer, the gather's receive area, one assembled tensor

@@ -155,14 +155,15 @@ class Result:
     def engine_busy(self) -> float:
         return self.engine_busy_s / (self.engines * self.window_s)
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> dict[str, Any]:
         st = self.staleness or [0]
         return {"trajectories_per_s": self.trajectories_per_s, "trajectories_per_hour": self.trajectories_per_s * 3600,
                 "learner_busy": self.learner_busy, "engine_busy": self.engine_busy, "window_s": self.window_s,
                 "trained": self.trained, "dropped": self.dropped, "generated_tokens": self.generated_tokens,
                 "staleness_mean": statistics.fmean(st), "staleness_max": max(st),
                 "staleness_p90": sorted(st)[int(0.9 * (len(st) - 1))],
-                "gen_s_mean": statistics.fmean(self.gen_s) if self.gen_s else 0.0}  # fmt: skip
+                "gen_s_mean": statistics.fmean(self.gen_s) if self.gen_s else 0.0,
+                "staleness_histogram": {str(k): st.count(k) for k in range(max(st) + 1)}}  # fmt: skip
 
 
 @dataclass
