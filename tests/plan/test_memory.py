@@ -16,12 +16,11 @@ from megatron_sao.config.parallel import ParallelConfig
 from megatron_sao.distributed import spawn_ranks
 from megatron_sao.models.builder import ModelSpec
 from megatron_sao.models.families import detect_family
-from megatron_sao.models.tiny import make_tiny_model
 from megatron_sao.plan.measure import measure_roles
 from megatron_sao.plan.memory import Layout, role_memory
 from megatron_sao.plan.tensors import Architecture
+from tests.plan.conftest import FAMILIES
 
-FAMILIES = ("qwen3_moe", "glm4_moe", "glm_moe_dsa")
 TOKENS = 96
 ACTIVATION_ERROR = 0.25
 """The stated error of the activation account on these models (docs/scaling.md has the measured figures)."""
@@ -33,12 +32,6 @@ def planned(hf_dir: Path, role: str, tokens: int, recompute: str) -> Any:
     layout = Layout.of(ParallelConfig(), 1, arch.num_layers)
     return role_memory(arch, role, layout, 0, dtype="fp32", distributed_optimizer=True, tokens=tokens,
                        recompute=recompute, flash_attention=False, te_layout=False)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("plan-mem")
-    return {f: make_tiny_model(f, root / f, layers=3, seed=2, tokenizer=False) for f in FAMILIES}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -15,12 +15,11 @@ import torch
 from megatron_sao.distributed import spawn_ranks
 from megatron_sao.models.builder import ModelSpec
 from megatron_sao.models.families import detect_family
-from megatron_sao.models.tiny import make_tiny_model
 from megatron_sao.plan.memory import Layout, local_numel, stage_tensors
 from megatron_sao.plan.tensors import Architecture, hf_counts, model_tensors
+from tests.plan.conftest import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[2]
-FAMILIES = ("qwen3_moe", "glm4_moe", "glm_moe_dsa")
 LAYOUTS = {"tp2": {"tensor": 2}, "ep2": {"expert": 2}, "pp2": {"pipeline": 2}}
 
 
@@ -77,12 +76,6 @@ def _built(hf_dir: str, layouts: dict[str, dict[str, int]]) -> dict[str, Any]:
         destroy_distributed(keep_process_group=True)
     destroy_distributed()
     return out
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("plan-hf")
-    return {f: make_tiny_model(f, root / f, layers=3, seed=1, tokenizer=False) for f in FAMILIES}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
