@@ -239,9 +239,12 @@ def child_env() -> dict[str, str]:
 
 def die_with_parent_if_asked() -> None:
     """Called first by the engine and rollout commands: when started by a local run (DIE_WITH_PARENT holds its pid),
-    ask Linux for SIGTERM when the parent dies, even by SIGKILL, so no engine or worker outlives its run (a leftover
-    would hold the ports and answer the next run). A parent that died before the request -- while this process was
-    still starting -- is seen after it: the parent is then no longer the pid the run wrote, and this exits now."""
+    ask Linux for SIGKILL when the parent dies, so no engine or worker outlives its run (a leftover would hold the
+    ports and answer the next run). SIGKILL, not SIGTERM: a worker told to stop finishes its in-flight episodes,
+    which with the run and its engine gone can wait out request timeouts and retries (the chaos suite caught one
+    alive 30 s later); an abrupt end loses nothing the next run needs (the cursor and the spool are on disk, as
+    after any worker crash). A parent that died before the request -- while this process was still starting -- is
+    seen after it: the parent is then no longer the pid the run wrote, and this exits now."""
     import ctypes
     import signal
     import sys
@@ -250,6 +253,6 @@ def die_with_parent_if_asked() -> None:
     if not launcher.isdigit() or not sys.platform.startswith("linux"):
         return
     pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() != int(launcher):  # the run died before the request was made
         raise SystemExit(1)
