@@ -18,7 +18,7 @@ from megatron_sao.algo.advantages import (
 )
 from megatron_sao.algo.baselines import RunningMeanBaseline, grpo_advantages
 from megatron_sao.algo.common import Metrics
-from megatron_sao.algo.gae import compute_gae, length_adaptive_lambda, reverse_discounted_scan
+from megatron_sao.algo.gae import compute_gae, gae_span, length_adaptive_lambda, reverse_discounted_scan
 from megatron_sao.algo.policy_loss import dis_policy_loss, ppo_clip_policy_loss
 from megatron_sao.algo.value_loss import explained_variance, value_loss
 
@@ -30,6 +30,7 @@ __all__ = [
     "compute_step_targets",
     "dis_policy_loss",
     "explained_variance",
+    "gae_span",
     "grpo_advantages",
     "length_adaptive_lambda",
     "ppo_clip_policy_loss",

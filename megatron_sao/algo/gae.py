@@ -43,6 +43,21 @@ def length_adaptive_lambda(action_mask: torch.Tensor, alpha: float = 1.5) -> tor
     return torch.where(num_action > 0, lam, torch.zeros_like(lam)).clamp(0.0, 1.0)
 
 
+def gae_span(action_mask: torch.Tensor) -> torch.Tensor:
+    """Every token from a row's first action token to its last, observation tokens between turns included: the
+    mask GAE runs over when it does not skip observations (`algo.gae.skip_observations: false`, an ablation).
+
+    Args:
+        action_mask: bool [B, T], one trajectory per row.
+
+    Returns:
+        bool [B, T]; all False on rows without action tokens.
+    """
+    check_action_mask(action_mask)
+    seen = action_mask.to(torch.int32).cumsum(dim=1)
+    return ((seen > 0) & (seen < seen[:, -1:])) | action_mask if action_mask.shape[1] else action_mask.clone()
+
+
 def compute_gae(
     rewards: torch.Tensor,
     values: torch.Tensor,

@@ -43,7 +43,8 @@ def dis_policy_loss(
     Returns:
         (loss, metrics): loss is a 0-dim float32 tensor (float64 for float64 logprobs), 0 when there are no
         action tokens. metrics: dis/masked_frac, dis/masked_low_frac, dis/masked_high_frac, dis/ratio_mean,
-        dis/ratio_max, dis/mismatch_kl (k3 estimate of KL(rollout || learner)), loss/policy,
+        dis/ratio_max, dis/mismatch_kl (k3 estimate of KL(rollout || learner)), dis/logprob_abs_diff (mean
+        |learner - rollout| log-prob over the action tokens), loss/policy,
         dis/num_action_tokens.
     """
     if not 0.0 <= eps_low <= 1.0 or not eps_high > 0.0:
@@ -95,7 +96,7 @@ def ppo_clip_policy_loss(
 
     Returns:
         (loss, metrics): loss 0-dim float32; metrics loss/policy, ppo/clipfrac (fraction of action tokens
-        whose ratio is outside the clip range), ppo/approx_kl (k3), ppo/ratio_mean, ppo/ratio_max,
+        whose ratio is outside the clip range), ppo/approx_kl (k3), ppo/ratio_mean, ppo/ratio_max, ppo/logprob_abs_diff,
         ppo/num_action_tokens.
     """
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
@@ -146,5 +147,6 @@ def _ratio_metrics(
         f"{prefix}/ratio_mean": masked_mean(ratio, mask),
         f"{prefix}/ratio_max": ratio_max,
         f"{prefix}/approx_kl": approx_kl,
+        f"{prefix}/logprob_abs_diff": masked_mean(logratio.abs(), mask),
         f"{prefix}/num_action_tokens": count,
     }

@@ -21,6 +21,10 @@ class DISConfig(Section):
     eps_high: float = Field(default=5.0, gt=0.0)
     """Upper band edge: tokens with r >= 1 + eps_high get no gradient (paper 5.0; coding 3.0)."""
 
+    mask: bool = True
+    """False: plain importance sampling, `-r * A` on every action token with no band (the ablation of DIS; an
+    unbounded ratio then reaches the gradient). The band edges are ignored."""
+
 
 class GAEConfig(Section):
     """Skip-observation token-level GAE (megatron_sao/algo/gae.py)."""
@@ -39,6 +43,12 @@ class GAEConfig(Section):
 
     whiten_advantages: bool = False
     """Normalize advantages over the step's action tokens (the paper does not)."""
+
+    skip_observations: bool = True
+    """True (SAO): the recursion runs over action tokens only, bootstrapping across a tool's answer from the
+    next action token. False (the ablation): it runs over every token from a trajectory's first action token to
+    its last, observation tokens included (reward 0 there, the critic's values at them part of the TD chain, and
+    the critic trained on them too); the policy loss still covers action tokens only."""
 
 
 class ValueConfig(Section):

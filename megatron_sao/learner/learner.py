@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron_sao.algo import (
     RunningMeanBaseline,
     compute_step_targets,
+    gae_span,
     grpo_advantages,
     sequence_to_token_advantages,
     token_rewards,
@@ -275,10 +276,11 @@ class Learner:
         with torch.no_grad():
             on_last_stage = collect_values(self.value.ddp, mbs, old_values)
         advantages = returns = None
+        gae_mask = batch.action_mask if algo.gae.skip_observations else gae_span(batch.action_mask)
         gae: list[dict[str, tuple[float, float]]] = []
         if on_last_stage:
             rewards = token_rewards(batch.action_mask, batch.rewards, batch.turn_rewards, batch.turn_index)
-            targets = compute_step_targets(rewards, old_values, batch.action_mask, algo)
+            targets = compute_step_targets(rewards, old_values, gae_mask, algo)
             advantages, returns = targets.advantages, targets.returns
             tokens = float(batch.action_mask.sum())  # gae/*: token-weighted over the ranks that hold outputs
             gae = [{name: (float(v) * tokens, tokens) for name, v in targets.metrics.items()}] if tokens else []
@@ -290,7 +292,9 @@ class Learner:
                     by_id[traj_id] = advantages[row, : batch.lengths[row]].numpy().copy()
             publish(by_id)
         for k in range(algo.value.updates_per_policy_step):
-            results, ok, grad_norm = value_update(self.value, mbs, batch, returns, old_values, algo.value.clip)
+            results, ok, grad_norm = value_update(
+                self.value, mbs, batch, returns, old_values, algo.value.clip, value_mask=gae_mask
+            )
             reduced = explained_variance(reduce_metrics(results))
             if k == 0:
                 metrics["loss/value_first"] = reduced["loss/value"]

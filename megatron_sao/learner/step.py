@@ -10,6 +10,7 @@ Called by learner/learner.py.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -65,14 +66,18 @@ def value_update(
     returns: torch.Tensor | None,
     old_values: torch.Tensor,
     clip: float | None,
+    value_mask: torch.Tensor | None = None,
 ) -> tuple[list[WeightedMetrics], bool, float]:
     """One critic optimizer step on the whole step batch. `returns`/`old_values` [B, L] exist on the last
-    pipeline stage (None/unused elsewhere). Returns (per-micro-batch metrics, update ok, grad norm)."""
+    pipeline stage (None/unused elsewhere). `value_mask` [B, L]: the tokens the critic is trained on (default the
+    action tokens; the GAE span when `algo.gae.skip_observations` is off). Returns (per-micro-batch metrics,
+    update ok, grad norm)."""
+    trained = batch.action_mask if value_mask is None else value_mask
 
     def loss_fn(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         assert returns is not None, "value loss evaluated off the last pipeline stage"
         dev = output.device
-        mask = mb.pack(batch.action_mask).to(dev)
+        mask = mb.pack(trained).to(dev)
         values = output.reshape(1, -1).float()
         loss, m = value_loss(
             values, mb.pack(old_values).to(dev)[None], mb.pack(returns).to(dev)[None], mask[None],
@@ -86,6 +91,12 @@ def value_update(
     results = run_microbatches(value.ddp, microbatches, loss_fn, forward_only=False)
     ok, grad_norm = value.step()
     return results, ok, grad_norm
+
+
+def dis_band(algo: AlgoConfig) -> tuple[float, float]:
+    """(eps_low, eps_high) of the DIS loss; with `algo.dis.mask` off, a band no finite ratio leaves (plain IS: only a
+    ratio that over- or underflows the float range is masked, where plain IS would give an Inf or exact-0 term)."""
+    return (algo.dis.eps_low, algo.dis.eps_high) if algo.dis.mask else (1.0, math.inf)
 
 
 def policy_update(
@@ -113,7 +124,7 @@ def policy_update(
                 logp, rollout, adv, mask, algo.grpo.clip_eps, algo.grpo.clip_eps_high, num_action_tokens=1.0
             )
         else:
-            loss, m = dis_policy_loss(logp, rollout, adv, mask, algo.dis.eps_low, algo.dis.eps_high, 1.0)
+            loss, m = dis_policy_loss(logp, rollout, adv, mask, *dis_band(algo), 1.0)
         count = mask.sum()
         return loss, count.to(torch.int), _weighted(m, float(count))
 

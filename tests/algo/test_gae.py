@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_sao.algo import compute_gae, length_adaptive_lambda
+from megatron_sao.algo import compute_gae, gae_span, length_adaptive_lambda
 from megatron_sao.algo.gae import reverse_discounted_scan
 
 from .reference import gae_loop
@@ -254,3 +254,33 @@ def test_length_adaptive_lambda_is_one_minus_inverse_alpha_l() -> None:
 def test_length_adaptive_lambda_counts_action_tokens_not_positions() -> None:
     spread = torch.tensor([[True, False, False, True, False, True]])  # 3 action tokens across gaps
     assert math.isclose(length_adaptive_lambda(spread, 1.5).item(), 1 - 1 / 4.5, rel_tol=1e-6)
+
+
+def test_gae_span_covers_first_to_last_action_token_and_through_observations() -> None:
+    mask = torch.tensor(
+        [
+            [0, 1, 1, 0, 0, 1, 0, 0],  # prompt, turn, observation, turn, padding
+            [0, 0, 0, 0, 0, 0, 0, 0],  # no action tokens
+            [1, 0, 0, 0, 0, 0, 0, 1],
+            [0, 0, 0, 1, 0, 0, 0, 0],
+        ],
+        dtype=torch.bool,
+    )
+    expected = torch.tensor(
+        [[0, 1, 1, 1, 1, 1, 0, 0], [0] * 8, [1] * 8, [0, 0, 0, 1, 0, 0, 0, 0]],
+        dtype=torch.bool,
+    )
+    assert torch.equal(gae_span(mask), expected)
+    assert gae_span(torch.zeros(2, 0, dtype=torch.bool)).shape == (2, 0)
+
+
+def test_gae_through_observations_bootstraps_from_the_observation_values() -> None:
+    """Skipping observations, the last token of turn 1 bootstraps from turn 2's first value; through the span, from
+    the observation token's value: the two differ exactly by what the observation values contribute."""
+    mask = torch.tensor([[True, False, True]])
+    values = torch.tensor([[0.5, 10.0, 0.2]])
+    rewards = torch.tensor([[0.0, 0.0, 1.0]])
+    skip, _ = compute_gae(rewards, values, mask, 1.0, 0.0)
+    through, _ = compute_gae(rewards, values, gae_span(mask), 1.0, 0.0)
+    assert skip[0, 0].item() == pytest.approx(0.2 - 0.5) and skip[0, 1].item() == 0.0
+    assert through[0, 0].item() == pytest.approx(10.0 - 0.5) and through[0, 1].item() == pytest.approx(0.2 - 10.0)
