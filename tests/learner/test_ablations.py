@@ -20,9 +20,10 @@ VARIANTS = {
     "plain_is": ["--algo.dis.mask", "false"],
     "k1": ["--algo.value.updates_per_policy_step", "1"],
     "critic_attention": [
-        "--learner.value.trainable", '["*.mlp.experts.*", "*.mlp.shared_experts.*", "*.mlp.linear_fc*", '
-        '"*.self_attention.*", "output_layer.*"]',
-        "--learner.value.frozen", '["*.router.*", "*norm*", "embedding.*"]',
+        "--learner.value.trainable",
+        '["*.mlp.experts.*", "*.mlp.shared_experts.*", "*.mlp.linear_fc*", "*.self_attention.*", "output_layer.*"]',
+        "--learner.value.frozen",
+        '["*.router.*", "*norm*", "embedding.*"]',
     ],
     "gae_through_observations": ["--algo.gae.skip_observations", "false"],
 }
