@@ -2,7 +2,7 @@
 """Streaming SAO vs synchronous GRPO vs one-step-off GRPO on the same pipeline, side by side in one run.
 
 Each arm runs the real processes on the agentic main task (key_chain: long-tailed multi-turn tool use) from the
-same warm-started model (tools/warm_start.py, cached under runs/bench_pipeline/warm): an embedded engine (one
+same warm-started model (tools/warm_start.py, cached under runs/bench_pipeline/warm_agentic): an embedded engine (one
 thread) and the rollout worker pinned to core 0, the learner (one thread) pinned to core 1, the bus between them,
 weights pushed over gloo. Every arm trains --steps steps of --trajectories-per-step trajectories (grpo arms: groups
 of --group), so all see the same number of trajectories. Measured per arm over the window from the first episode's
@@ -33,31 +33,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "examples" / "tiny_agentic" / "config.yaml"
+sys.path.insert(0, str(REPO))
+
+from experiments.harness import AGENTIC as CONFIG  # noqa: E402
+from experiments.harness import pinned, role_env, warm_agentic_model  # noqa: E402
+
 ARMS = ("sao", "grpo", "grpo_async")
-
-
-def _pinned(core: int, cmd: list[str]) -> list[str]:
-    return (["taskset", "-c", str(core)] if shutil.which("taskset") and (os.cpu_count() or 1) > 1 else []) + cmd
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
-    return {**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-def _warm(work: Path) -> Path:
-    from megatron_sao.models.tiny import make_tiny_model
-
-    base = work / "base"
-    if not (base / "config.json").is_file():
-        make_tiny_model("qwen3_moe", base, hidden=128, force=True)
-    warm = work / "warm"
-    done = subprocess.run([sys.executable, str(REPO / "tools" / "warm_start.py"), "--config", str(CONFIG), "--base",
-                           str(base), "--out", str(warm)], env=_env(), capture_output=True, text=True)  # fmt: skip
-    if done.returncode != 0:
-        raise SystemExit(f"warm start failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    return warm
 
 
 def _arm(arm: str, warm: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -80,9 +61,9 @@ def _arm(arm: str, warm: Path, work: Path, args: argparse.Namespace) -> dict[str
     ]  # fmt: skip
     py = [sys.executable, "-m", "megatron_sao"]
     logs = {name: open(run_dir / "logs" / f"{name}.log", "wb") for name in ("engine", "learner", "rollout")}  # noqa: SIM115
-    engine = subprocess.Popen(_pinned(0, [*py, "engine", "--model", str(warm), "--port", str(port), "--threads", "1",
+    engine = subprocess.Popen(pinned(0, [*py, "engine", "--model", str(warm), "--port", str(port), "--threads", "1",
                                           "--max-running-requests", "64"]),
-                              stdout=logs["engine"], stderr=subprocess.STDOUT, env=_env())  # fmt: skip
+                              stdout=logs["engine"], stderr=subprocess.STDOUT, env=role_env())  # fmt: skip
     procs = [engine]
     try:
         client = SGLangClient(url)
@@ -91,12 +72,12 @@ def _arm(arm: str, warm: Path, work: Path, args: argparse.Namespace) -> dict[str
             if engine.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"{arm}: the engine did not start: {(run_dir / 'logs' / 'engine.log').read_text()}")
             time.sleep(0.3)
-        learner = subprocess.Popen(_pinned(1, [*py, "learn", str(CONFIG), "--engines", url, *overrides]),
-                                   stdout=logs["learner"], stderr=subprocess.STDOUT, env=_env())  # fmt: skip
+        learner = subprocess.Popen(pinned(1, [*py, "learn", str(CONFIG), "--engines", url, *overrides]),
+                                   stdout=logs["learner"], stderr=subprocess.STDOUT, env=role_env())  # fmt: skip
         procs.append(learner)
         busy0 = client.server_info()["load"]
-        worker = subprocess.Popen(_pinned(0, [*py, "rollout", str(CONFIG), "--engines", url, *overrides]),
-                                  stdout=logs["rollout"], stderr=subprocess.STDOUT, env=_env())  # fmt: skip
+        worker = subprocess.Popen(pinned(0, [*py, "rollout", str(CONFIG), "--engines", url, *overrides]),
+                                  stdout=logs["rollout"], stderr=subprocess.STDOUT, env=role_env())  # fmt: skip
         procs.append(worker)
         if learner.wait(timeout=3000) != 0:
             raise SystemExit(f"{arm}: the learner failed: {(run_dir / 'logs' / 'learner.log').read_text()[-3000:]}")
@@ -172,7 +153,7 @@ def main() -> None:
     args = p.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    warm = _warm(work)
+    warm = warm_agentic_model(work)
     results: list[dict[str, Any]] = []
     for repeat in range(args.repeats):
         for arm in args.arms.split(","):

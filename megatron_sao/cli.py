@@ -105,6 +105,9 @@ def _load(
     p.add_argument("config", help="the run's YAML/TOML config")
     if engines:
         p.add_argument("--engines", default="", help="comma-separated engine URLs the learner pushes weights to")
+    if prog == "learn":
+        p.add_argument("--ready-file", default=None, help="created (rank 0) once the learner listens for trajectories "
+                       "and the engines hold its weights: start rollout workers after it appears")  # fmt: skip
     if launch:
         p.add_argument("--dry-run", action="store_true", help="print the plan and every command; start nothing")
     if prog == "submit":
@@ -237,7 +240,8 @@ def _learn(ns: argparse.Namespace, rest: list[str]) -> int:
 
     urls = [u for u in args.engines.split(",") if u] or list(cfg.rollout.engine_urls)
     try:
-        summary = learn(cfg, urls)
+        ready = Path(args.ready_file) if args.ready_file else None
+        summary = learn(cfg, urls, on_ready=ready.touch if ready else None)
     except NonFiniteTraining as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -406,7 +406,7 @@ class RolloutWorker:
         self.metrics.count(traj)
         acted = traj.weight_versions[traj.action_mask]
         self._ledger({"event": "produced", "id": h.trajectory_id, "prompt": key, "prompt_id": h.prompt_id,
-                      "sample": sample_index, "worker": h.worker_id,
+                      "sample": sample_index, "worker": h.worker_id, "reward": h.reward, "metadata": h.metadata,
                       "versions": [int(acted.min()), int(acted.max())] if acted.size else None})  # fmt: skip
 
     def _ledger(self, line: dict[str, Any]) -> None:

@@ -20,6 +20,9 @@ from tests.run.test_arms import assert_ledger_ok
 REPO = Path(__file__).resolve().parents[2]
 
 
+STYLE_SCHEDULE = {"styles": ["cute", "chuunibyou", "classical"], "period": 2}  # versions 0-1 cute, 2-3 chuunibyou, ...
+
+
 def _run(hf_dir: Path, run_dir: Path, ports: dict[str, int], max_steps: int) -> subprocess.CompletedProcess[str]:
     cmd = [
         sys.executable, "-m", "megatron_sao", "run", str(REPO / "examples" / "tiny_cpu" / "config.yaml"),
@@ -28,7 +31,7 @@ def _run(hf_dir: Path, run_dir: Path, ports: dict[str, int], max_steps: int) -> 
         "--learner.save_interval", "2", "--learner.trajectories_per_step", "4",
         "--rollout.concurrency", "4", "--rollout.sampling.max_new_tokens", "12", "--rollout.max_turns", "2",
         "--rollout.base_port", str(ports["engine"]), "--bus.bind", f"tcp://127.0.0.1:{ports['bus']}",
-        "--weight_sync.master_port", str(ports["sync"]),
+        "--weight_sync.master_port", str(ports["sync"]), "--rollout.env.options", json.dumps(STYLE_SCHEDULE),
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
@@ -68,6 +71,12 @@ def test_run_trains_syncs_and_resumes(tiny_hf_dir: Any, tmp_path: Path) -> None:
     produced = [e for e in map(json.loads, (run_dir / "ledger" / "rollout-0.jsonl").read_text().splitlines())
                 if e["event"] == "produced" and e["time"] > resumed_at]  # fmt: skip
     assert produced and all(e["versions"][0] >= 2 for e in produced), [e["versions"] for e in produced]
+    # ... so the style reward's schedule (by weight version) goes on where it was: no episode after the resume is
+    # scored for the first run's style, and every one for the style of the version that generated it
+    styles = STYLE_SCHEDULE["styles"]
+    for e in produced:
+        assert e["metadata"]["style"] == styles[(e["versions"][1] // STYLE_SCHEDULE["period"]) % 3], e
+    assert {e["metadata"]["style"] for e in produced} == set(styles)  # 22 versions: every style came round
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter_0000024"
     assert_ledger_ok(run_dir)
 

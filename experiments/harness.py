@@ -1,0 +1,332 @@
+"""What every experiment shares: one arm's run through the real processes, its records, and the summaries and
+figures built on them.
+
+A run is the project's own engine, learner and rollout worker, started as separate processes the way
+benchmarks/pipeline_efficiency.py starts them (engine and worker pinned to core 0, learner to core 1, one thread
+each, so they behave like separate accelerators), with the arm's overrides on top of an example config. While it
+runs, the engine's counters are polled into <run_dir>/engine.jsonl (time, generated tokens, busy seconds), so
+rewards can be read against generated tokens as well as wall time; a run with a token budget is stopped once
+the engine has generated that many tokens (value pre-training's included: every arm pays for what it generates).
+A finished run leaves <run_dir>/run.json; asking for the same run again (same config, overrides, seed and
+budget) reads it back instead of training again, so experiments that share an arm (the ablations' `sao` row is
+the learning-efficiency `sao` arm) run it once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+AGENTIC = REPO / "examples" / "tiny_agentic" / "config.yaml"
+STYLE = REPO / "examples" / "tiny_cpu" / "config.yaml"
+RUNS = REPO / "runs" / "experiments"
+RESULTS = REPO / "docs" / "results.md"
+FIGURES = REPO / "docs" / "results"
+
+
+def machine() -> str:
+    """One line naming the machine the numbers were measured on."""
+    import platform
+
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), {mem:.0f} GiB, no GPU"
+
+
+def role_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    return {**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def pinned(core: int, cmd: list[str]) -> list[str]:
+    """`cmd` bound to one core (taskset), where there is more than one and taskset exists."""
+    return (["taskset", "-c", str(core)] if shutil.which("taskset") and (os.cpu_count() or 1) > 1 else []) + cmd
+
+
+def warm_agentic_model(work: Path = RUNS) -> Path:
+    """The main job's starting point: a random tiny qwen3_moe warm-started on key_chain demonstrations (cached)."""
+    from megatron_sao.models.tiny import make_tiny_model
+
+    base = work / "base_agentic"
+    if not (base / "config.json").is_file():
+        make_tiny_model("qwen3_moe", base, hidden=128, force=True)
+    warm = work / "warm_agentic"
+    cmd = [sys.executable, str(REPO / "tools" / "warm_start.py"), "--config", str(AGENTIC), "--base", str(base),
+           "--out", str(warm)]  # fmt: skip
+    done = subprocess.run(cmd, env=role_env(), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"warm start failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return warm
+
+
+def random_style_model(work: Path = RUNS) -> Path:
+    """The style example's starting point (./launch.sh style): a random tiny qwen3_moe, hidden 64."""
+    from megatron_sao.models.tiny import make_tiny_model
+
+    model = work / "base_style"
+    if not (model / "config.json").is_file():
+        make_tiny_model("qwen3_moe", model, hidden=64, force=True)
+    return model
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One arm, one seed: the example config, the overrides that make the arm, and when to stop."""
+
+    label: str  # the arm's name in figures and tables
+    config: Path
+    model: Path
+    overrides: tuple[str, ...]
+    seed: int
+    token_budget: int | None = None  # stop once the engine generated this many tokens; None: at learner.max_steps
+    env_options: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 3600.0
+
+    @property
+    def key(self) -> dict[str, Any]:
+        return {"label": self.label, "config": str(self.config.relative_to(REPO)), "overrides": list(self.overrides),
+                "seed": self.seed, "token_budget": self.token_budget, "env_options": self.env_options}  # fmt: skip
+
+
+@dataclass
+class Run:
+    """A finished run's records, read back from its directory."""
+
+    spec: RunSpec
+    run_dir: Path
+    wall_s: float
+    steps: list[dict[str, Any]]  # metrics.jsonl records of policy steps
+    records: list[dict[str, Any]]  # every metrics.jsonl record (pre-training and pushes included)
+    trajectories: list[dict[str, Any]]  # the learner's ledger: one line per trained trajectory, in training order
+    engine: np.ndarray  # [n, 3]: seconds since the run's start, generated tokens, busy seconds
+    start: float  # unix time the rollout worker started
+
+    def tokens_at(self, times: np.ndarray) -> np.ndarray:
+        """Generated tokens at `times` (seconds since the start), interpolated on the engine's counter."""
+        return np.interp(times, self.engine[:, 0], self.engine[:, 1])
+
+    def reward_series(self, pretrain: bool = False) -> dict[str, np.ndarray]:
+        """Per trained trajectory, in order of finishing: seconds since start, generated tokens then, reward, and
+        the newest weight version that generated it. Value pre-training's trajectories only when asked."""
+        rows = sorted(
+            (t for t in self.trajectories if pretrain or not t.get("pretrain")), key=lambda t: t["finished_at"]
+        )
+        secs = np.array([t["finished_at"] - self.start for t in rows], dtype=float)
+        return {
+            "time": secs,
+            "tokens": self.tokens_at(secs),
+            "reward": np.array([t["reward"] for t in rows], dtype=float),
+            "version": np.array([(t["versions"] or [0, 0])[1] for t in rows], dtype=float),
+        }
+
+
+def run_arm(spec: RunSpec, run_dir: Path, log: Any = print) -> Run:
+    """Train one arm (or read the finished run back, when `run_dir/run.json` says it is this spec)."""
+    done = run_dir / "run.json"
+    if done.is_file() and json.loads(done.read_text()).get("spec") == spec.key:
+        return load_run(spec, run_dir)
+    from megatron_sao.distributed.spawn import find_free_port
+    from megatron_sao.rollout.client import SGLangClient
+
+    shutil.rmtree(run_dir, ignore_errors=True)
+    (run_dir / "logs").mkdir(parents=True)
+    port = find_free_port()
+    url = f"http://127.0.0.1:{port}"
+    overrides = [
+        "--model.hf_path", str(spec.model), "--launch.run_dir", str(run_dir), "--learner.seed", str(spec.seed),
+        "--bus.bind", f"tcp://127.0.0.1:{find_free_port()}", "--weight_sync.master_port", str(find_free_port()),
+        "--rollout.cursor_state", str(run_dir / "cursor.json"), *spec.overrides,
+    ]  # fmt: skip
+    if spec.env_options:
+        overrides += ["--rollout.env.options", json.dumps(spec.env_options)]
+    if spec.token_budget is not None:
+        overrides += ["--learner.max_steps", "100000", "--learner.save_interval", "100000"]
+    py = [sys.executable, "-m", "megatron_sao"]
+    logs = {name: open(run_dir / "logs" / f"{name}.log", "wb") for name in ("engine", "learner", "rollout")}  # noqa: SIM115
+    engine_cmd = [*py, "engine", "--model", str(spec.model), "--port", str(port), "--threads", "1",
+                  "--max-running-requests", "64", "--random-seed", str(spec.seed)]  # fmt: skip
+    procs = [subprocess.Popen(pinned(0, engine_cmd), stdout=logs["engine"], stderr=subprocess.STDOUT, env=role_env())]
+    client = SGLangClient(url)
+    poll_stop = threading.Event()
+    budget_hit = threading.Event()
+    t0 = time.time()
+    try:
+        deadline = time.monotonic() + 300
+        while not client.health(timeout_s=1.0):
+            if procs[0].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{spec.label}: the engine did not start: {_tail(run_dir / 'logs' / 'engine.log')}")
+            time.sleep(0.3)
+        ready = run_dir / "learner.ready"
+        learn_cmd = [*py, "learn", str(spec.config), "--engines", url, "--ready-file", str(ready), *overrides]
+        procs.append(subprocess.Popen(pinned(1, learn_cmd), stdout=logs["learner"], stderr=subprocess.STDOUT,
+                                      env=role_env()))  # fmt: skip
+        while not ready.exists():  # the clock starts when the learner can take trajectories, as for run/local.py
+            if procs[1].poll() is not None or time.monotonic() > deadline + 300:
+                raise RuntimeError(
+                    f"{spec.label}: the learner did not start: {_tail(run_dir / 'logs' / 'learner.log')}"
+                )
+            time.sleep(0.2)
+        t0 = time.time()
+        procs.append(subprocess.Popen(pinned(0, [*py, "rollout", str(spec.config), "--engines", url, *overrides]),
+                                      stdout=logs["rollout"], stderr=subprocess.STDOUT, env=role_env()))  # fmt: skip
+        poller = threading.Thread(
+            target=_poll_engine, args=(client, run_dir / "engine.jsonl", t0, spec.token_budget, poll_stop, budget_hit)
+        )
+        poller.start()
+        learner = procs[1]
+        while learner.poll() is None and not budget_hit.is_set():
+            if procs[2].poll() not in (None, 0):
+                raise RuntimeError(
+                    f"{spec.label}: the rollout worker failed: {_tail(run_dir / 'logs' / 'rollout.log')}"
+                )
+            if time.time() - t0 > spec.timeout_s:
+                raise RuntimeError(f"{spec.label}: no end after {spec.timeout_s:.0f} s (see {run_dir / 'logs'})")
+            time.sleep(0.2)
+        wall = time.time() - t0
+        if not budget_hit.is_set() and learner.returncode != 0:
+            raise RuntimeError(f"{spec.label}: the learner failed: {_tail(run_dir / 'logs' / 'learner.log')}")
+    finally:
+        poll_stop.set()
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for f in logs.values():
+            f.close()
+    done.write_text(json.dumps({"spec": spec.key, "wall_s": wall, "start": t0}) + "\n")
+    run = load_run(spec, run_dir)
+    tokens = int(run.engine[-1, 1])
+    log(f"  {spec.label} seed {spec.seed}: {len(run.steps)} policy steps, {tokens} tokens in {wall:.0f} s")
+    return run
+
+
+def _poll_engine(
+    client: Any, path: Path, t0: float, budget: int | None, stop: threading.Event, hit: threading.Event
+) -> None:
+    """Every 0.25 s: the engine's generated tokens and busy seconds, as JSON lines; sets `hit` at the budget."""
+    with path.open("w") as out:
+        while not stop.is_set():
+            try:
+                load = client.server_info()["load"]
+            except Exception:  # the engine is going away at the end of the run
+                break
+            out.write(json.dumps({"t": time.time() - t0, "tokens": load["generated_tokens"], "busy_s": load["busy_s"]}))
+            out.write("\n")
+            out.flush()
+            if budget is not None and load["generated_tokens"] >= budget:
+                hit.set()
+                break
+            stop.wait(0.25)
+
+
+def _tail(path: Path, n: int = 3000) -> str:
+    return path.read_text(errors="replace")[-n:] if path.is_file() else "(no log)"
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by the stop at the budget
+            continue
+    return out
+
+
+def load_run(spec: RunSpec, run_dir: Path) -> Run:
+    meta = json.loads((run_dir / "run.json").read_text())
+    records = _jsonl(run_dir / "metrics.jsonl")
+    steps = [r for r in records if "step/trajectories" in r and "loss/policy" in r]
+    trajectories = [t for t in _jsonl(run_dir / "trajectories.jsonl") if "id" in t]
+    polled = _jsonl(run_dir / "engine.jsonl")
+    engine = np.array([[p["t"], p["tokens"], p["busy_s"]] for p in polled] or [[0.0, 0.0, 0.0]], dtype=float)
+    return Run(spec, run_dir, float(meta["wall_s"]), steps, records, trajectories, engine, float(meta["start"]))
+
+
+# ---------------------------------------------------------------------------------------------- summaries
+
+
+def rolling(y: np.ndarray, window: int) -> np.ndarray:
+    """Trailing mean over up to `window` values (shorter at the start)."""
+    if y.size == 0:
+        return y
+    c = np.cumsum(np.insert(y.astype(float), 0, 0.0))
+    idx = np.arange(1, y.size + 1)
+    lo = np.maximum(0, idx - window)
+    return (c[idx] - c[lo]) / (idx - lo)
+
+
+def on_grid(x: np.ndarray, y: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """y(x) on `grid` (step-wise: the last value at or before each point; NaN before the first and past the end)."""
+    if x.size == 0:
+        return np.full(grid.shape, np.nan)
+    i = np.searchsorted(x, grid, side="right") - 1
+    out = np.where(i >= 0, y[np.clip(i, 0, None)], np.nan)
+    return np.where(grid <= x[-1], out, np.nan)
+
+
+def first_reach(x: np.ndarray, y: np.ndarray, level: float) -> float | None:
+    """The first x where y >= level; None when it never gets there."""
+    hit = np.flatnonzero(y >= level)
+    return float(x[hit[0]]) if hit.size else None
+
+
+def mean_spread(values: Sequence[float | None]) -> str:
+    """'mean ± std (n/m)' over the seeds that got a value; '—' when none did."""
+    got = [v for v in values if v is not None and np.isfinite(v)]
+    if not got:
+        return "not reached"
+    text = f"{statistics.fmean(got):.3g}" + (f" ± {statistics.stdev(got):.2g}" if len(got) > 1 else "")
+    return text + (f" ({len(got)}/{len(values)} seeds)" if len(got) < len(values) else "")
+
+
+def write_section(results: Path, name: str, body: str) -> None:
+    """Replace the text between `<!-- experiments:NAME -->` and `<!-- /experiments:NAME -->` in `results` (appended,
+    with the markers, when they are not there yet): the tables in docs/results.md are what the scripts printed."""
+    start, end = f"<!-- experiments:{name} -->", f"<!-- /experiments:{name} -->"
+    text = results.read_text() if results.is_file() else "# Results\n"
+    block = f"{start}\n{body.rstrip()}\n{end}"
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(text)
+
+
+def figure_link(results: Path, png: Path) -> str:
+    """A markdown image whose path is relative to the results file."""
+    return f"![{png.stem}]({os.path.relpath(png, results.parent)})"
+
+
+def pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def command_line() -> str:
+    return "python " + " ".join([os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]])

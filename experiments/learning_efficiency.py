@@ -1,0 +1,213 @@
+#!/usr/bin/env python
+"""Learning efficiency: sao, grpo (synchronous), grpo_async (one-step-off) and running_mean on the agentic main
+task, the same generated-token budget per run, several seeds: reward against wall time and against generated
+tokens (mean and spread over seeds), and per arm the time and tokens to reach a stated reward level.
+
+Every run starts from the main job's warm-started tiny MoE (cached under runs/experiments/warm_agentic) on
+key_chain (1-6 lookups, long-tailed; each lookup takes --tool-latency seconds), through the real engine, worker,
+bus and learner (experiments/harness.py). Settings common to the arms: 16 trajectories per step (grpo arms: 4
+prompts x G=4), concurrency 16, bus.max_staleness 4, weights pushed after every step; sao pre-trains its critic
+on --pretrain-samples trajectories first (their tokens and time count). Seeds interleave (sao, grpo, ... for seed
+0, then seed 1, ...) so a noisy neighbour hits every arm alike. Prints a table, writes the raw runs under
+runs/experiments/agentic/, the figure and JSON under docs/results/, and the table into docs/results.md.
+
+    python experiments/learning_efficiency.py            # 4 arms x 3 seeds x 10000 tokens, ~35 min on 2 CPUs
+    python experiments/learning_efficiency.py --quick    # 1 seed, 400 tokens: the pipeline end to end, ~3 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.harness import (
+    AGENTIC,
+    FIGURES,
+    RESULTS,
+    RUNS,
+    Run,
+    RunSpec,
+    command_line,
+    figure_link,
+    first_reach,
+    machine,
+    mean_spread,
+    on_grid,
+    pyplot,
+    rolling,
+    run_arm,
+    warm_agentic_model,
+    write_section,
+)
+
+ARMS = {
+    "sao": (),
+    "grpo": ("--algo.name", "grpo"),
+    "grpo_async": ("--algo.name", "grpo_async"),
+    "running_mean": ("--algo.name", "running_mean"),
+}
+COLORS = {"sao": "C0", "grpo": "C1", "grpo_async": "C2", "running_mean": "C3"}
+
+
+def agentic_spec(label: str, arm_overrides: tuple[str, ...], seed: int, args: argparse.Namespace) -> RunSpec:
+    """One arm on the agentic task with the settings every arm (and every ablation) shares."""
+    common = (
+        "--algo.grpo.group_size", "4", "--learner.trajectories_per_step", "16", "--rollout.concurrency", "16",
+        "--bus.max_staleness", "4", "--algo.value.pretrain_samples", str(args.pretrain_samples),
+    )  # fmt: skip
+    return RunSpec(
+        label=label,
+        config=AGENTIC,
+        model=args.model,
+        overrides=(*common, *arm_overrides),
+        seed=seed,
+        token_budget=args.tokens,
+        env_options={"tool_latency_s": args.tool_latency},
+    )
+
+
+def add_agentic_args(p: argparse.ArgumentParser, quick: dict[str, Any]) -> None:
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=10_000, help="generated-token budget of every run")
+    p.add_argument("--tool-latency", type=float, default=1.0, help="seconds per lookup (key_chain tool_latency_s)")
+    p.add_argument("--pretrain-samples", type=int, default=96, help="sao's value pre-training trajectories")
+    p.add_argument("--window", type=int, default=64, help="trajectories in the rolling reward mean")
+    p.add_argument("--quick", action="store_true", help=f"a fast end-to-end pass: {quick}")
+    p.add_argument("--runs", type=Path, default=RUNS / "agentic", help="where the raw runs go")
+    p.add_argument("--results", type=Path, default=RESULTS, help="the markdown file the table goes into")
+    p.add_argument("--figures", type=Path, default=FIGURES, help="where the PNG and JSON go")
+
+
+def apply_quick(args: argparse.Namespace, quick: dict[str, Any]) -> None:
+    if args.quick:
+        for k, v in quick.items():
+            setattr(args, k, v)
+
+
+QUICK = {"seeds": 1, "tokens": 1500, "tool_latency": 0.1, "pretrain_samples": 16, "window": 8}
+
+
+def curves(runs: list[Run], x: str, window: int, points: int = 200) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rolling reward of each seed on one grid of `x` ("time" or "tokens"): (grid, mean, [seeds, points])."""
+    series = [r.reward_series() for r in runs]
+    end = max((s[x][-1] for s in series if s[x].size), default=1.0)
+    grid = np.linspace(0.0, end, points)
+    ys = np.stack([on_grid(s[x], rolling(s["reward"], window), grid) for s in series])
+    with np.errstate(all="ignore"):
+        mean = np.nanmean(ys, axis=0) if np.isfinite(ys).any() else np.full(points, np.nan)
+    return grid, mean, ys
+
+
+def summarize(label: str, runs: list[Run], window: int, target: float) -> dict[str, Any]:
+    """Per arm: what every seed reached, and when."""
+    per_seed = []
+    for r in runs:
+        s = r.reward_series()
+        smooth = rolling(s["reward"], window)
+        per_seed.append({
+            "seed": r.spec.seed,
+            "wall_s": r.wall_s,
+            "generated_tokens": float(r.engine[-1, 1]),
+            "trajectories": int(s["reward"].size),
+            "policy_steps": len(r.steps),
+            "first_reward": float(smooth[min(window, smooth.size) - 1]) if smooth.size else None,
+            "final_reward": float(smooth[-1]) if smooth.size else None,
+            "best_reward": float(smooth.max()) if smooth.size else None,
+            "time_to_target_s": first_reach(s["time"], smooth, target),
+            "tokens_to_target": first_reach(s["tokens"], smooth, target),
+            "staleness_mean": float(np.mean([st.get("staleness/mean", 0.0) for st in r.steps])) if r.steps else None,
+        })  # fmt: skip
+    return {"arm": label, "seeds": per_seed}
+
+
+def table(summaries: list[dict[str, Any]], target: float) -> str:
+    rows = [
+        f"| arm | seeds | reward first {{w}} → last {{w}} | time to {target:g} (s) | tokens to {target:g} | "
+        "trajectories trained | policy steps | wall (s) | tokens generated | staleness mean |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        col = {k: [seed[k] for seed in s["seeds"]] for k in s["seeds"][0]}
+        rows.append(
+            f"| `{s['arm']}` | {len(s['seeds'])} | {mean_spread(col['first_reward'])} → "
+            f"**{mean_spread(col['final_reward'])}** | {mean_spread(col['time_to_target_s'])} | "
+            f"{mean_spread(col['tokens_to_target'])} | {mean_spread(col['trajectories'])} | "
+            f"{mean_spread(col['policy_steps'])} | {mean_spread(col['wall_s'])} | "
+            f"{mean_spread(col['generated_tokens'])} | {mean_spread(col['staleness_mean'])} |"
+        )
+    return "\n".join(rows)
+
+
+def plot(by_arm: dict[str, list[Run]], window: int, target: float, png: Path) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for ax, x, xlabel in ((axes[0], "time", "wall time (s)"), (axes[1], "tokens", "generated tokens")):
+        for label, runs in by_arm.items():
+            grid, mean, ys = curves(runs, x, window)
+            color = COLORS.get(label)
+            ax.plot(grid, mean, color=color, label=f"{label} ({len(runs)} seeds)")
+            if len(runs) > 1:
+                with np.errstate(all="ignore"):
+                    ax.fill_between(grid, np.nanmin(ys, axis=0), np.nanmax(ys, axis=0), color=color, alpha=0.15)
+        ax.axhline(target, color="grey", lw=0.8, ls="--")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(f"reward (rolling mean of {window} trajectories)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(loc="lower right")
+    fig.suptitle("key_chain (agentic, long-tailed): mean over seeds, band = min..max")
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def run_arms(arms: dict[str, tuple[str, ...]], args: argparse.Namespace) -> dict[str, list[Run]]:
+    by_arm: dict[str, list[Run]] = {label: [] for label in arms}
+    for seed in range(args.seeds):
+        for label, overrides in arms.items():
+            spec = agentic_spec(label, overrides, seed, args)
+            by_arm[label].append(run_arm(spec, args.runs / f"{label}-s{seed}", log=lambda m: print(m, flush=True)))
+    return by_arm
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_agentic_args(p, QUICK)
+    p.add_argument("--target", type=float, default=0.6, help="the reward level whose time and tokens are reported")
+    p.add_argument("--arms", default=",".join(ARMS))
+    args = p.parse_args()
+    apply_quick(args, QUICK)
+    suffix = "_quick" if args.quick else ""
+    args.model = warm_agentic_model()
+    arms = {a: ARMS[a] for a in args.arms.split(",")}
+    by_arm = run_arms(arms, args)
+    summaries = [summarize(label, runs, args.window, args.target) for label, runs in by_arm.items()]
+    png = args.figures / f"learning_efficiency{suffix}.png"
+    plot(by_arm, args.window, args.target, png)
+    text = table(summaries, args.target).replace("{w}", str(args.window))
+    print(text)
+    (args.figures / f"learning_efficiency{suffix}.json").write_text(
+        json.dumps({"command": command_line(), "machine": machine(), "args": _jsonable(args), "arms": summaries}) + "\n"
+    )
+    body = (
+        f"```bash\n{command_line()}\n```\n\n{figure_link(args.results, png)}\n\n{text}\n\n"
+        f"Machine: {machine()}. Seeds {', '.join(map(str, range(args.seeds)))}; budget {args.tokens} generated tokens "
+        f"per run; tool latency {args.tool_latency} s per lookup; reward = rolling mean of {args.window} trained "
+        f"trajectories (first {args.window} → last {args.window}); mean ± std over seeds."
+    )
+    write_section(args.results, f"learning_efficiency{suffix}", body)
+
+
+def _jsonable(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Every experiment's --quick variant end to end (the real processes, a few steps each): the PNG is written, the JSON
+holds a row per arm / variant / switch, and the results file gets the table between its markers, twice without
+duplicating it. Minutes each: slow tier."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _quick(script: str, tmp_path: Path) -> tuple[str, Path, Path]:
+    results, figures = tmp_path / "results.md", tmp_path / "figures"
+    results.write_text("# Results\n\nkept text\n")
+    cmd = [sys.executable, str(REPO / "experiments" / script), "--quick", "--runs", str(tmp_path / "runs"),
+           "--results", str(results), "--figures", str(figures)]  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout, results, figures
+
+
+def _section(results: Path, name: str) -> str:
+    text = results.read_text()
+    assert "kept text" in text and text.count(f"<!-- experiments:{name} -->") == 1
+    return text.split(f"<!-- experiments:{name} -->")[1].split(f"<!-- /experiments:{name} -->")[0]
+
+
+def _png(path: Path) -> None:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_learning_efficiency_quick(tmp_path: Path) -> None:
+    out, results, figures = _quick("learning_efficiency.py", tmp_path)
+    _png(figures / "learning_efficiency_quick.png")
+    data = json.loads((figures / "learning_efficiency_quick.json").read_text())
+    assert [a["arm"] for a in data["arms"]] == ["sao", "grpo", "grpo_async", "running_mean"]
+    for arm in data["arms"]:
+        (seed,) = arm["seeds"]
+        assert seed["generated_tokens"] >= 1500 and seed["trajectories"] > 0  # the budget stopped every run
+    section = _section(results, "learning_efficiency_quick")
+    assert "learning_efficiency_quick.png" in section
+    for arm in ("sao", "grpo", "grpo_async", "running_mean"):
+        (row,) = [line for line in section.splitlines() if line.startswith(f"| `{arm}` |")]
+        assert row in out  # the table in the file is the one the script printed
+    # a second pass reads the finished runs back and rewrites the section in place
+    again, results, _ = _quick("learning_efficiency.py", tmp_path)
+    assert " policy steps, " not in again  # nothing trained again
+    _section(results, "learning_efficiency_quick")
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_ablations_quick(tmp_path: Path) -> None:
+    out, results, figures = _quick("ablations.py", tmp_path)
+    _png(figures / "ablations_quick.png")
+    data = json.loads((figures / "ablations_quick.json").read_text())
+    assert list(data["variants"]) == ["sao", "plain_is", "k1", "critic_attention", "gae_through_observations"]
+    assert data["variants"]["plain_is"][0]["masked_frac"] == 0.0  # plain IS masks nothing
+    section = _section(results, "ablations_quick")
+    assert section.count("\n| `") == 5
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_stability_quick(tmp_path: Path) -> None:
+    out, results, figures = _quick("stability.py", tmp_path)
+    _png(figures / "stability_quick.png")
+    data = json.loads((figures / "stability_quick.json").read_text())
+    assert data["policy_steps"] == 12 and data["losses_finite"] and isinstance(data["collapsed"], bool)
+    section = _section(results, "stability_quick")
+    assert "| collapsed |" in section and ("did not collapse" in section or "collapsed**" in section)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_online_adaptation_quick(tmp_path: Path) -> None:
+    out, results, figures = _quick("online_adaptation.py", tmp_path)
+    _png(figures / "online_adaptation_quick.png")
+    data = json.loads((figures / "online_adaptation_quick.json").read_text())
+    assert list(data["recoveries"]) == ["sao", "running_mean", "grpo"]
+    for arm in data["recoveries"].values():
+        (seed,) = arm
+        assert [s["switch"] for s in seed] == ["cute -> chuunibyou", "chuunibyou -> classical"]
+    section = _section(results, "online_adaptation_quick")
+    assert section.count("\n| `") == 6  # 3 arms x 2 switches
