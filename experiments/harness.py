@@ -71,14 +71,26 @@ def warm_agentic_model(work: Path = RUNS) -> Path:
     return warm
 
 
-def random_style_model(work: Path = RUNS) -> Path:
-    """The style example's starting point (./launch.sh style): a random tiny qwen3_moe, hidden 64."""
+STYLES = ["cute", "chuunibyou", "classical"]
+
+
+def warm_style_model(work: Path = RUNS) -> Path:
+    """The online-adaptation starting point: the style example's random tiny qwen3_moe (hidden 64) warm-started on
+    sentences in every style alike (style_preference's demonstrator; cached), so that the reward, not the
+    weights, picks the style -- as for a pre-trained LLM, which can write in all of them."""
     from megatron_sao.models.tiny import make_tiny_model
 
-    model = work / "base_style"
-    if not (model / "config.json").is_file():
-        make_tiny_model("qwen3_moe", model, hidden=64, force=True)
-    return model
+    base = work / "base_style"
+    if not (base / "config.json").is_file():
+        make_tiny_model("qwen3_moe", base, hidden=64, force=True)
+    warm = work / "warm_style"
+    cmd = [sys.executable, str(REPO / "tools" / "warm_start.py"), "--config", str(STYLE), "--base", str(base),
+           "--out", str(warm), "--demos", "2000", "--steps", "300", "--mistake-rate", "0.1", "--threads", "1",
+           "--rollout.env.options", json.dumps({"styles": STYLES})]  # fmt: skip
+    done = subprocess.run(cmd, env=role_env(), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"warm start failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return warm
 
 
 @dataclass(frozen=True)

@@ -4,15 +4,16 @@ weight versions: the style_preference environment's schedule="version", so a tra
 the weights that generated it, and a resumed run goes on with the style of its checkpoint's version), per arm and
 seed; per switch, the versions and the wall time each arm needs to recover 90% of its pre-switch reward.
 
-The style example (./launch.sh style: a random tiny MoE, one-turn writing, 8 trajectories per step) through the real
-engine, worker, bus and learner (experiments/harness.py). Reward by generating version: the mean reward of the
-trajectories whose newest weight version is v. Pre-switch level of the switch at version s: the mean over
+The style example (./launch.sh style: a tiny MoE, one-turn writing, 8 trajectories per step), warm-started on
+sentences in all three styles alike (harness.warm_style_model: a model that can write each, as an LLM can),
+through the real engine, worker, bus and learner (experiments/harness.py). Reward by generating version: the mean
+reward of the trajectories whose newest weight version is v. Pre-switch level of the switch at version s: the mean over
 versions [s - period/4, s). Recovered at the first version v >= s whose mean over versions [v - 2, v] (within
 the phase) is >= 0.9 x that level; versions to recover = v - s, wall time = from the first trajectory of version
 >= s finishing to the first of version v finishing. An arm that never learned the first style (pre-switch level
 below --min-level) is reported as such, not as recovered.
 
-    python experiments/online_adaptation.py           # sao, running_mean, grpo x 3 seeds, period 30, ~25 min
+    python experiments/online_adaptation.py           # sao, running_mean, grpo x 3 seeds, period 30, ~15 min
     python experiments/online_adaptation.py --quick   # 1 seed, period 3, ~3 min
 """
 
@@ -33,6 +34,7 @@ from experiments.harness import (
     RESULTS,
     RUNS,
     STYLE,
+    STYLES,
     Run,
     RunSpec,
     command_line,
@@ -40,12 +42,11 @@ from experiments.harness import (
     machine,
     mean_spread,
     pyplot,
-    random_style_model,
     run_arm,
+    warm_style_model,
     write_section,
 )
 
-STYLES = ["cute", "chuunibyou", "classical"]
 ARMS = {
     "sao": ("--algo.value.pretrain_samples", "32"),
     "running_mean": ("--algo.name", "running_mean"),
@@ -74,7 +75,7 @@ def recoveries(run: Run, period: int, min_level: float) -> list[dict[str, Any]]:
         phase = (versions >= switch) & (versions < switch + period)
         pre = float(reward[pre_mask].mean()) if pre_mask.any() else float("nan")
         row: dict[str, Any] = {"switch": f"{STYLES[k - 1]} -> {STYLES[k]}", "at_version": switch, "pre_level": pre,
-                               "versions": None, "wall_s": None, "post_min": None}  # fmt: skip
+                               "versions": None, "wall_s": None, "post_min": None, "best_fraction": None}  # fmt: skip
         if not phase.any():
             row["status"] = "not reached"
         elif not pre >= min_level:
@@ -83,6 +84,7 @@ def recoveries(run: Run, period: int, min_level: float) -> list[dict[str, Any]]:
             v, r, t = versions[phase], reward[phase], first[phase]
             row["post_min"] = float(r.min())
             smooth = np.array([r[(v >= x - 2) & (v <= x)].mean() for x in v])
+            row["best_fraction"] = float(smooth.max() / pre)
             hit = np.flatnonzero(smooth >= 0.9 * pre)
             if hit.size:
                 row.update(status="recovered", versions=int(v[hit[0]] - switch), wall_s=float(t[hit[0]] - t[0]))
@@ -95,8 +97,8 @@ def recoveries(run: Run, period: int, min_level: float) -> list[dict[str, Any]]:
 def table(rows: dict[str, list[list[dict[str, Any]]]]) -> str:
     out = [
         "| arm | switch (at version) | seeds recovered | pre-switch reward | lowest after the switch | "
-        "versions to 90% | wall time to 90% (s) |",
-        "|---|---|---|---|---|---|---|",
+        "best 3-version mean after it / pre-switch | versions to 90% | wall time to 90% (s) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for arm, seeds in rows.items():
         for k in range(len(seeds[0])):
@@ -106,7 +108,8 @@ def table(rows: dict[str, list[list[dict[str, Any]]]]) -> str:
             out.append(
                 f"| `{arm}` | {col[0]['switch']} ({col[0]['at_version']}) | {ok}/{len(col)}"
                 f"{' (' + ', '.join(notes) + ')' if notes else ''} | {mean_spread([c['pre_level'] for c in col])} | "
-                f"{mean_spread([c['post_min'] for c in col])} | {mean_spread([c['versions'] for c in col])} | "
+                f"{mean_spread([c['post_min'] for c in col])} | {mean_spread([c['best_fraction'] for c in col])} | "
+                f"{mean_spread([c['versions'] for c in col])} | "
                 f"{mean_spread([c['wall_s'] for c in col])} |"
             )
     return "\n".join(out)
@@ -149,7 +152,8 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--period", type=int, default=30, help="weight versions per style")
     p.add_argument("--arms", default="sao,running_mean,grpo")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--lr", type=float, default=5e-4, help="policy learning rate (the warm model's; every arm)")
     p.add_argument("--min-level", type=float, default=0.3, help="a pre-switch reward below this: style not learned")
     p.add_argument("--quick", action="store_true", help=f"a fast end-to-end pass: {QUICK}")
     p.add_argument("--runs", type=Path, default=RUNS / "style")
@@ -160,13 +164,14 @@ def main() -> None:
         for k, v in QUICK.items():
             setattr(args, k, v)
     suffix = "_quick" if args.quick else ""
-    model = random_style_model()
+    model = warm_style_model()
     arms = {a: ARMS[a] for a in args.arms.split(",")}
     by_arm: dict[str, list[Run]] = {a: [] for a in arms}
     for seed in range(args.seeds):
         for label, overrides in arms.items():
             steps = ("--learner.max_steps", str(len(STYLES) * args.period))
             tokens = ("--rollout.sampling.max_new_tokens", str(args.max_new_tokens))
+            tokens += ("--learner.policy.lr", str(args.lr))
             schedule = {"styles": STYLES, "period": args.period, "schedule": "version"}
             spec = RunSpec(label, STYLE, model, (*overrides, *steps, *tokens), seed, env_options=schedule)
             by_arm[label].append(run_arm(spec, args.runs / f"{label}-s{seed}", log=lambda m: print(m, flush=True)))

@@ -2,7 +2,8 @@
 """Supervised warm start on generated demonstrations: the agentic main job's first stage (run once, then cached).
 
     python tools/warm_start.py --config examples/tiny_agentic/config.yaml --base runs/tiny_agentic/base \\
-        --out runs/tiny_agentic/warm [--demos 3000 --steps 600 --lr 3e-3 --mistake-rate 0.15 --seed 0]
+        --out runs/tiny_agentic/warm [--demos 3000 --steps 600 --lr 3e-3 --mistake-rate 0.15 --seed 0] \\
+        [--rollout.env.options '{"styles": [...]}' ...]   # config overrides, as for `python -m megatron_sao run`
 
 The environment of the config (rollout.env) demonstrates its task: its `demonstrate` method gives the next turn for
 the text so far, wrong with probability --mistake-rate per turn, so imitation leaves room for RL. Episodes are played
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mistake-rate", type=float, default=0.15, help="per-turn probability of a demonstrator error")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    args = p.parse_args(argv)
+    args, overrides = p.parse_known_args(argv)
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = load_config(args.config, [])
+    cfg = load_config(args.config, overrides)  # `--rollout.env.options '{...}'` etc. on top of the config
     if not (Path(args.base) / "config.json").is_file():
         raise SystemExit(f"error: --base {args.base} is not an HF model directory (no config.json)")
     out = Path(args.out)

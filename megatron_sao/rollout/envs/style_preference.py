@@ -5,6 +5,8 @@ switches on a schedule: every `period` weight versions (schedule="version", defa
 read from the newest version among the trajectory's tokens) or every `period` finished episodes of this
 environment object (schedule="episodes"). The active style is recorded in the trajectory metadata (`style`).
 Reward = hits of the active style's marker words / (1 + hits of the other styles' markers), capped at 1.
+`demonstrate` writes in every style alike, so a model warm-started on it (tools/warm_start.py) can be steered to
+any of them by the reward, as a pre-trained LLM can: what experiments/online_adaptation.py starts from.
 """
 
 from __future__ import annotations
@@ -76,6 +78,18 @@ class StylePreferenceEnv(Environment):
             with self._lock:
                 return self.active_style(next(self._finished))
         return self.active_style(episode.weight_version)
+
+    def demonstrate(self, context: str, rng: Any, mistake_rate: float) -> str:
+        """A sentence about the prompt's topic in one of this environment's styles, picked uniformly (a model that
+        knows every style, as a pre-trained LLM does, and leaves the choice to the reward); with probability
+        `mistake_rate` a plain sentence without markers. tools/warm_start.py imitates it."""
+        found = [t for t in TOPICS if t in context.rsplit("Write one short sentence about", 1)[-1]]
+        topic = found[0] if found else rng.choice(TOPICS)
+        if rng.random() < mistake_rate:
+            return f"{topic} is here today."
+        markers = list(MARKERS[rng.choice(self.styles)])
+        rng.shuffle(markers)
+        return f"{topic} {' '.join(markers[: rng.randint(2, 4)])}."
 
     def make_prompts(self, n: int, seed: int = 0) -> list[dict[str, Any]]:
         rng = random.Random(seed)
