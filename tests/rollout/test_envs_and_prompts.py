@@ -12,7 +12,7 @@ import pytest
 from megatron_sao.rollout.envs import REGISTRY, make_env
 from megatron_sao.rollout.envs.arithmetic import calculate
 from megatron_sao.rollout.envs.base import env_class
-from megatron_sao.rollout.envs.style_preference import style_score
+from megatron_sao.rollout.envs.style_preference import STYLES, style_score
 from megatron_sao.rollout.prompts import PromptCursor, read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,6 +66,28 @@ def test_style_preference_switches_on_schedule_and_records_the_style() -> None:
         ep.reward()
         styles.append(ep.metadata["style"])
     assert styles == ["cute", "cute", "chuunibyou", "chuunibyou"]
+
+
+def test_style_demonstrator_writes_every_style_alike_about_the_topic() -> None:
+    """What tools/warm_start.py imitates for the online-adaptation experiment: one style per sentence, each about a
+    third of the time; a mistake is a sentence with no markers at all."""
+    import random
+    from collections import Counter
+
+    env = make_env("style_preference", {})
+    rng = random.Random(0)
+    context = "user: Write one short sentence about the moon.\nassistant:"
+    won = Counter()
+    for _ in range(600):
+        text = env.demonstrate(context, rng, mistake_rate=0.1)
+        assert text.startswith("the moon ")
+        scores = {s: style_score(text, s) for s in STYLES}
+        assert sorted(scores.values()) in ([0.0, 0.0, 0.0], [0.0, 0.0, 1.0])  # one style, fully, or none
+        won[max(scores, key=scores.get) if max(scores.values()) else "none"] += 1
+    assert 40 <= won["none"] <= 90  # ~10% mistakes
+    assert all(150 <= won[s] <= 210 for s in STYLES), won
+    only_cute = make_env("style_preference", {"styles": ["cute"]})
+    assert style_score(only_cute.demonstrate(context, rng, 0.0), "cute") == 1.0
 
 
 def test_registry_by_name_and_by_import_path() -> None:
