@@ -20,7 +20,6 @@ docs/results.md.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -32,14 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.harness import (
     Run,
-    command_line,
-    figure_link,
-    machine,
     mean_spread,
+    publish,
     pyplot,
     rolling,
+    save_figure,
     warm_agentic_model,
-    write_section,
 )
 from experiments.learning_efficiency import QUICK, add_agentic_args, apply_quick, run_arms
 
@@ -134,11 +131,7 @@ def plot(by_variant: dict[str, list[Run]], rows: dict[str, list[dict[str, Any]]]
     axes[0].set_ylabel(f"reward (rolling {window})")
     axes[0].legend(fontsize=7)
     axes[0].grid(alpha=0.3)
-    fig.suptitle("SAO ablations on key_chain: one mechanism off at a time (dots = seeds)")
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png, "SAO ablations on key_chain: one mechanism off at a time (dots = seeds)")
 
 
 def main() -> None:
@@ -155,17 +148,12 @@ def main() -> None:
     png = args.figures / f"ablations{suffix}.png"
     plot(by_variant, rows, args.window, png)
     text = table(rows)
-    print(text)
-    (args.figures / f"ablations{suffix}.json").write_text(
-        json.dumps({"command": command_line(), "machine": machine(), "variants": rows}) + "\n"
+    note = (
+        f"Seeds {', '.join(map(str, range(args.seeds)))}; budget {args.tokens} generated tokens per run (the "
+        f"learning-efficiency budget); reward = rolling mean of {args.window} trained trajectories; mean ± std over "
+        "seeds."
     )
-    body = (
-        f"```bash\n{command_line()}\n```\n\n{figure_link(args.results, png)}\n\n{text}\n\n"
-        f"Machine: {machine()}. Seeds {', '.join(map(str, range(args.seeds)))}; budget {args.tokens} generated tokens "
-        f"per run (the learning-efficiency budget); reward = rolling mean of {args.window} trained trajectories; "
-        "mean ± std over seeds."
-    )
-    write_section(args.results, f"ablations{suffix}", body)
+    publish(f"ablations{suffix}", args.results, png, text, note, {"variants": rows})
 
 
 if __name__ == "__main__":

@@ -331,6 +331,25 @@ def figure_link(results: Path, png: Path) -> str:
     return f"![{png.stem}]({os.path.relpath(png, results.parent)})"
 
 
+def save_figure(fig: Any, png: Path, title: str) -> None:
+    """Title, lay out, write and close a matplotlib figure."""
+    fig.suptitle(title)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    pyplot().close(fig)
+
+
+def publish(name: str, results: Path, png: Path, table: str, note: str, data: dict[str, Any]) -> None:
+    """What every experiment ends with: print its table; write <figures>/<name>.json (the command, the machine and
+    `data`); put the command, the figure, the table and `note` into `results` between the `name` markers."""
+    print(table)
+    record = {"command": command_line(), "machine": machine(), **data}
+    (png.parent / f"{name}.json").write_text(json.dumps(record) + "\n")
+    body = f"```bash\n{command_line()}\n```\n\n{figure_link(results, png)}\n\n{table}\n\nMachine: {machine()}. {note}"
+    write_section(results, name, body)
+
+
 def pyplot() -> Any:
     import matplotlib
 

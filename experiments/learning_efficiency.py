@@ -18,7 +18,6 @@ runs/experiments/agentic/, the figure and JSON under docs/results/, and the tabl
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,17 +33,15 @@ from experiments.harness import (
     RUNS,
     Run,
     RunSpec,
-    command_line,
-    figure_link,
     first_reach,
-    machine,
     mean_spread,
     on_grid,
+    publish,
     pyplot,
     rolling,
     run_arm,
+    save_figure,
     warm_agentic_model,
-    write_section,
 )
 
 ARMS = {
@@ -161,11 +158,7 @@ def plot(by_arm: dict[str, list[Run]], window: int, target: float, png: Path) ->
         ax.set_ylabel(f"reward (rolling mean of {window} trajectories)")
         ax.grid(alpha=0.3)
     axes[0].legend(loc="lower right")
-    fig.suptitle("key_chain (agentic, long-tailed): mean over seeds, band = min..max")
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png, "key_chain (agentic, long-tailed): mean over seeds, band = min..max")
 
 
 def run_arms(arms: dict[str, tuple[str, ...]], args: argparse.Namespace) -> dict[str, list[Run]]:
@@ -192,17 +185,12 @@ def main() -> None:
     png = args.figures / f"learning_efficiency{suffix}.png"
     plot(by_arm, args.window, args.target, png)
     text = table(summaries, args.target).replace("{w}", str(args.window))
-    print(text)
-    (args.figures / f"learning_efficiency{suffix}.json").write_text(
-        json.dumps({"command": command_line(), "machine": machine(), "args": _jsonable(args), "arms": summaries}) + "\n"
+    note = (
+        f"Seeds {', '.join(map(str, range(args.seeds)))}; budget {args.tokens} generated tokens per run; tool latency "
+        f"{args.tool_latency} s per lookup; reward = rolling mean of {args.window} trained trajectories (first "
+        f"{args.window} → last {args.window}); mean ± std over seeds."
     )
-    body = (
-        f"```bash\n{command_line()}\n```\n\n{figure_link(args.results, png)}\n\n{text}\n\n"
-        f"Machine: {machine()}. Seeds {', '.join(map(str, range(args.seeds)))}; budget {args.tokens} generated tokens "
-        f"per run; tool latency {args.tool_latency} s per lookup; reward = rolling mean of {args.window} trained "
-        f"trajectories (first {args.window} → last {args.window}); mean ± std over seeds."
-    )
-    write_section(args.results, f"learning_efficiency{suffix}", body)
+    publish(f"learning_efficiency{suffix}", args.results, png, text, note, {"args": _jsonable(args), "arms": summaries})
 
 
 def _jsonable(args: argparse.Namespace) -> dict[str, Any]:

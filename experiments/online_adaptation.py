@@ -20,7 +20,6 @@ below --min-level) is reported as such, not as recovered.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,14 +36,12 @@ from experiments.harness import (
     STYLES,
     Run,
     RunSpec,
-    command_line,
-    figure_link,
-    machine,
     mean_spread,
+    publish,
     pyplot,
     run_arm,
+    save_figure,
     warm_style_model,
-    write_section,
 )
 
 ARMS = {
@@ -140,11 +137,7 @@ def plot(by_arm: dict[str, list[Run]], period: int, png: Path) -> None:
         ax.set_ylim(-0.02, 1.08)
         ax.grid(alpha=0.3)
     axes[0].legend(loc="lower left", fontsize=8)
-    fig.suptitle("style switches cute -> chuunibyou -> classical (every line a seed)")
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png, "style switches cute -> chuunibyou -> classical (every line a seed)")
 
 
 def main() -> None:
@@ -179,28 +172,15 @@ def main() -> None:
     png = args.figures / f"online_adaptation{suffix}.png"
     plot(by_arm, args.period, png)
     text = table(rows)
-    print(text)
     walls = {label: [r.wall_s for r in runs] for label, runs in by_arm.items()}
-    (args.figures / f"online_adaptation{suffix}.json").write_text(
-        json.dumps(
-            {
-                "command": command_line(),
-                "machine": machine(),
-                "period": args.period,
-                "recoveries": rows,
-                "wall_s": walls,
-            }
-        )  # fmt: skip
-        + "\n"
-    )
-    body = (
-        f"```bash\n{command_line()}\n```\n\n{figure_link(args.results, png)}\n\n{text}\n\n"
-        f"Machine: {machine()}. Seeds {', '.join(map(str, range(args.seeds)))}; a switch every {args.period} versions "
-        f"({len(STYLES) * args.period} versions per run); run wall times (s): "
+    note = (
+        f"Seeds {', '.join(map(str, range(args.seeds)))}; a switch every {args.period} versions "
+        f"({len(STYLES) * args.period} versions per run); policy lr {args.lr}; run wall times (s): "
         + "; ".join(f"{label} {mean_spread(w)}" for label, w in walls.items())
         + "."
     )
-    write_section(args.results, f"online_adaptation{suffix}", body)
+    data = {"period": args.period, "lr": args.lr, "recoveries": rows, "wall_s": walls}
+    publish(f"online_adaptation{suffix}", args.results, png, text, note, data)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ each step is still K=2 critic updates, one DIS policy update and a weight push.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -37,14 +36,12 @@ from experiments.harness import (
     RUNS,
     Run,
     RunSpec,
-    command_line,
-    figure_link,
-    machine,
+    publish,
     pyplot,
     rolling,
     run_arm,
+    save_figure,
     warm_agentic_model,
-    write_section,
 )
 
 QUICK = {"steps": 12, "tail": 4, "pretrain_samples": 8, "tool_latency": 0.0}
@@ -117,11 +114,7 @@ def plot(run: Run, tail: int, png: Path) -> None:
             ax.legend(fontsize=7)
     for ax in axes[1]:
         ax.set_xlabel("policy version")
-    fig.suptitle(f"SAO, {len(run.steps)} learner steps on key_chain")
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png, f"SAO, {len(run.steps)} learner steps on key_chain")
 
 
 def main() -> None:
@@ -154,18 +147,13 @@ def main() -> None:
     plot(run, args.tail, png)
     rows = "\n".join(f"| {k} | {_fmt(v)} |" for k, v in result.items())
     text = f"| figure | value |\n|---|---|\n| wall time (s) | {run.wall_s:.0f} |\n{rows}"
-    print(text)
-    (args.figures / f"stability{suffix}.json").write_text(
-        json.dumps({"command": command_line(), "machine": machine(), "wall_s": run.wall_s, **result}) + "\n"
-    )
     held = "**did not collapse**" if not result["collapsed"] else "**collapsed**"
-    body = (
-        f"```bash\n{command_line()}\n```\n\n{figure_link(args.results, png)}\n\n{text}\n\n"
-        f"Machine: {machine()}; seed {args.seed}; {args.trajectories_per_step} trajectories per step; tool latency "
-        f"{args.tool_latency} s. Criterion: collapsed if non-finite updates or losses, fewer steps than asked, or "
-        f"the last {args.tail} steps' mean reward below half the best {args.tail}-step mean. The run {held}."
+    note = (
+        f"Seed {args.seed}; {args.trajectories_per_step} trajectories per step; tool latency {args.tool_latency} s. "
+        f"Criterion: collapsed if non-finite updates or losses, fewer steps than asked, or the last {args.tail} "
+        f"steps' mean reward below half the best {args.tail}-step mean. The run {held}."
     )
-    write_section(args.results, f"stability{suffix}", body)
+    publish(f"stability{suffix}", args.results, png, text, note, {"wall_s": run.wall_s, **result})
 
 
 def _fmt(v: Any) -> str:
