@@ -296,9 +296,10 @@ def on_grid(x: np.ndarray, y: np.ndarray, grid: np.ndarray) -> np.ndarray:
     return np.where(grid <= x[-1], out, np.nan)
 
 
-def first_reach(x: np.ndarray, y: np.ndarray, level: float) -> float | None:
-    """The first x where y >= level; None when it never gets there."""
-    hit = np.flatnonzero(y >= level)
+def first_reach(x: np.ndarray, y: np.ndarray, level: float, skip: int = 0) -> float | None:
+    """The first x where y >= level, not looking at the first `skip` points (a rolling mean over fewer values than
+    its window is too noisy to count); None when it never gets there."""
+    hit = np.flatnonzero(y[skip:] >= level) + skip
     return float(x[hit[0]]) if hit.size else None
 
 
@@ -307,7 +308,12 @@ def mean_spread(values: Sequence[float | None]) -> str:
     got = [v for v in values if v is not None and np.isfinite(v)]
     if not got:
         return "not reached"
-    text = f"{statistics.fmean(got):.3g}" + (f" ± {statistics.stdev(got):.2g}" if len(got) > 1 else "")
+    mean = statistics.fmean(got)
+    big = abs(mean) >= 1000  # token counts: whole numbers
+    text = f"{mean:,.0f}" if big else f"{mean:.3g}"
+    if len(got) > 1:
+        sd = statistics.stdev(got)
+        text += f" ± {sd:,.0f}" if big else f" ± {sd:.2g}"
     return text + (f" ({len(got)}/{len(values)} seeds)" if len(got) < len(values) else "")
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -96,10 +97,18 @@ def curves(runs: list[Run], x: str, window: int, points: int = 200) -> tuple[np.
     series = [r.reward_series() for r in runs]
     end = max((s[x][-1] for s in series if s[x].size), default=1.0)
     grid = np.linspace(0.0, end, points)
-    ys = np.stack([on_grid(s[x], rolling(s["reward"], window), grid) for s in series])
-    with np.errstate(all="ignore"):
-        mean = np.nanmean(ys, axis=0) if np.isfinite(ys).any() else np.full(points, np.nan)
+    ys = np.stack([on_grid(s[x], full_windows(rolling(s["reward"], window), window), grid) for s in series])
+    with warnings.catch_warnings():  # past a seed's last trajectory its curve is NaN; all-NaN columns stay NaN
+        warnings.simplefilter("ignore", RuntimeWarning)
+        mean = np.nanmean(ys, axis=0)
     return grid, mean, ys
+
+
+def full_windows(smooth: np.ndarray, window: int) -> np.ndarray:
+    """A rolling mean with its first window - 1 points (means of fewer trajectories) blanked."""
+    out = smooth.astype(float).copy()
+    out[: window - 1] = np.nan
+    return out
 
 
 def summarize(label: str, runs: list[Run], window: int, target: float) -> dict[str, Any]:
@@ -117,8 +126,8 @@ def summarize(label: str, runs: list[Run], window: int, target: float) -> dict[s
             "first_reward": float(smooth[min(window, smooth.size) - 1]) if smooth.size else None,
             "final_reward": float(smooth[-1]) if smooth.size else None,
             "best_reward": float(smooth.max()) if smooth.size else None,
-            "time_to_target_s": first_reach(s["time"], smooth, target),
-            "tokens_to_target": first_reach(s["tokens"], smooth, target),
+            "time_to_target_s": first_reach(s["time"], smooth, target, skip=window - 1),
+            "tokens_to_target": first_reach(s["tokens"], smooth, target, skip=window - 1),
             "staleness_mean": float(np.mean([st.get("staleness/mean", 0.0) for st in r.steps])) if r.steps else None,
         })  # fmt: skip
     return {"arm": label, "seeds": per_seed}
@@ -151,11 +160,12 @@ def plot(by_arm: dict[str, list[Run]], window: int, target: float, png: Path) ->
             color = COLORS.get(label)
             ax.plot(grid, mean, color=color, label=f"{label} ({len(runs)} seeds)")
             if len(runs) > 1:
-                with np.errstate(all="ignore"):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)
                     ax.fill_between(grid, np.nanmin(ys, axis=0), np.nanmax(ys, axis=0), color=color, alpha=0.15)
         ax.axhline(target, color="grey", lw=0.8, ls="--")
         ax.set_xlabel(xlabel)
-        ax.set_ylabel(f"reward (rolling mean of {window} trajectories)")
+        ax.set_ylabel(f"reward (mean of the last {window} trained trajectories)")
         ax.grid(alpha=0.3)
     axes[0].legend(loc="lower right")
     save_figure(fig, png, "key_chain (agentic, long-tailed): mean over seeds, band = min..max")
