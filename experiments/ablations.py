@@ -84,14 +84,15 @@ def stability(run: Run, window: int) -> dict[str, Any]:
         "value_loss": mean("loss/value", half),
         "nonfinite_updates": nonfinite,
         "policy_steps": len(steps),
+        "wall_s": run.wall_s,
     }
 
 
 def table(rows: dict[str, list[dict[str, Any]]]) -> str:
     out = [
         "| variant | seeds | final reward | best reward | DIS masked frac | \\|Δ log-prob\\| | max ratio | "
-        "explained var (2nd half) | value loss (2nd half) | non-finite updates |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "explained var (2nd half) | value loss (2nd half) | non-finite updates | wall (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, seeds in rows.items():
         col = {k: [s[k] for s in seeds] for k in seeds[0]}
@@ -100,7 +101,7 @@ def table(rows: dict[str, list[dict[str, Any]]]) -> str:
             f"{mean_spread(col['best_reward'])} | {mean_spread(col['masked_frac'])} | "
             f"{mean_spread(col['logprob_gap'])} | {mean_spread(col['ratio_max'])} | "
             f"{mean_spread(col['explained_variance'])} | {mean_spread(col['value_loss'])} | "
-            f"{mean_spread(col['nonfinite_updates'])} |"
+            f"{mean_spread(col['nonfinite_updates'])} | {mean_spread(col['wall_s'])} |"
         )
     return "\n".join(out)
 
