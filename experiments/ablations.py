@@ -38,7 +38,7 @@ from experiments.harness import (
     save_figure,
     warm_agentic_model,
 )
-from experiments.learning_efficiency import QUICK, add_agentic_args, apply_quick, run_arms
+from experiments.learning_efficiency import QUICK, add_agentic_args, apply_quick, full_windows, run_arms
 
 CRITIC_MLPS = '"*.mlp.experts.*", "*.mlp.shared_experts.*", "*.mlp.linear_fc*", "output_layer.*"'
 VARIANTS: dict[str, tuple[str, ...]] = {
@@ -70,7 +70,7 @@ def stability(run: Run, window: int) -> dict[str, Any]:
         got = [r[key] for r in rows if key in r and np.isfinite(r[key])]
         return float(statistics.fmean(got)) if got else None
 
-    smooth = rolling(run.reward_series()["reward"], window)
+    smooth = rolling(run.reward_series()["reward"], window)[window - 1 :]  # full windows only
     nonfinite = max((r.get("policy/nonfinite_updates", 0.0) + r.get("value/nonfinite_updates", 0.0) for r in steps),
                     default=0.0)  # fmt: skip
     return {
@@ -126,7 +126,7 @@ def plot(by_variant: dict[str, list[Run]], rows: dict[str, list[dict[str, Any]]]
     for i, label in enumerate(labels):
         for j, run in enumerate(by_variant[label]):
             s = run.reward_series()
-            axes[0].plot(s["tokens"], rolling(s["reward"], window), color=f"C{i}", lw=1,
+            axes[0].plot(s["tokens"], full_windows(rolling(s["reward"], window), window), color=f"C{i}", lw=1,
                          label=label if j == 0 else None)  # fmt: skip
     axes[0].set_xlabel("generated tokens")
     axes[0].set_ylabel(f"reward (rolling {window})")
