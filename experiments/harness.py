@@ -233,11 +233,13 @@ def _poll_engine(
     client: Any, path: Path, t0: float, budget: int | None, stop: threading.Event, hit: threading.Event
 ) -> None:
     """Every 0.25 s: the engine's generated tokens and busy seconds, as JSON lines; sets `hit` at the budget."""
+    from megatron_sao.rollout.client import EngineError
+
     with path.open("w") as out:
         while not stop.is_set():
             try:
                 load = client.server_info()["load"]
-            except Exception:  # the engine is going away at the end of the run
+            except (EngineError, ConnectionError, TimeoutError):  # the engine is going away at the end of the run
                 break
             out.write(json.dumps({"t": time.time() - t0, "tokens": load["generated_tokens"], "busy_s": load["busy_s"]}))
             out.write("\n")
