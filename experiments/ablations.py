@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.harness import (
     Run,
+    apply_quick,
     mean_spread,
     publish,
     pyplot,
@@ -38,7 +39,7 @@ from experiments.harness import (
     save_figure,
     warm_agentic_model,
 )
-from experiments.learning_efficiency import QUICK, add_agentic_args, apply_quick, full_windows, run_arms
+from experiments.learning_efficiency import QUICK, add_agentic_args, full_windows, run_arms
 
 CRITIC_MLPS = '"*.mlp.experts.*", "*.mlp.shared_experts.*", "*.mlp.linear_fc*", "output_layer.*"'
 VARIANTS: dict[str, tuple[str, ...]] = {
@@ -140,8 +141,7 @@ def main() -> None:
     add_agentic_args(p, QUICK)
     p.add_argument("--variants", default=",".join(VARIANTS))
     args = p.parse_args()
-    apply_quick(args, QUICK)
-    suffix = "_quick" if args.quick else ""
+    suffix = apply_quick(args, QUICK)
     args.model = warm_agentic_model()
     variants = {v: VARIANTS[v] for v in args.variants.split(",")}
     by_variant = run_arms(variants, args)

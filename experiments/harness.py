@@ -339,6 +339,22 @@ def figure_link(results: Path, png: Path) -> str:
     return f"![{png.stem}]({os.path.relpath(png, results.parent)})"
 
 
+def add_common_args(p: Any, runs: Path, quick: dict[str, Any]) -> None:
+    """The options every experiment has: --quick (what it sets), where the runs, the table and the figures go."""
+    p.add_argument("--quick", action="store_true", help=f"a fast end-to-end pass: {quick}")
+    p.add_argument("--runs", type=Path, default=runs, help="where the raw runs go")
+    p.add_argument("--results", type=Path, default=RESULTS, help="the markdown file the table goes into")
+    p.add_argument("--figures", type=Path, default=FIGURES, help="where the PNG and JSON go")
+
+
+def apply_quick(args: Any, quick: dict[str, Any]) -> str:
+    """With --quick, set the quick values; the suffix of the outputs' names ("_quick" or "")."""
+    if args.quick:
+        for k, v in quick.items():
+            setattr(args, k, v)
+    return "_quick" if args.quick else ""
+
+
 def save_figure(fig: Any, png: Path, title: str) -> None:
     """Title, lay out, write and close a matplotlib figure."""
     fig.suptitle(title)

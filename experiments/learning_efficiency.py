@@ -29,11 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.harness import (
     AGENTIC,
-    FIGURES,
-    RESULTS,
     RUNS,
     Run,
     RunSpec,
+    add_common_args,
+    apply_quick,
     first_reach,
     mean_spread,
     on_grid,
@@ -77,16 +77,7 @@ def add_agentic_args(p: argparse.ArgumentParser, quick: dict[str, Any]) -> None:
     p.add_argument("--tool-latency", type=float, default=1.0, help="seconds per lookup (key_chain tool_latency_s)")
     p.add_argument("--pretrain-samples", type=int, default=96, help="sao's value pre-training trajectories")
     p.add_argument("--window", type=int, default=64, help="trajectories in the rolling reward mean")
-    p.add_argument("--quick", action="store_true", help=f"a fast end-to-end pass: {quick}")
-    p.add_argument("--runs", type=Path, default=RUNS / "agentic", help="where the raw runs go")
-    p.add_argument("--results", type=Path, default=RESULTS, help="the markdown file the table goes into")
-    p.add_argument("--figures", type=Path, default=FIGURES, help="where the PNG and JSON go")
-
-
-def apply_quick(args: argparse.Namespace, quick: dict[str, Any]) -> None:
-    if args.quick:
-        for k, v in quick.items():
-            setattr(args, k, v)
+    add_common_args(p, RUNS / "agentic", quick)
 
 
 QUICK = {"seeds": 1, "tokens": 1500, "tool_latency": 0.1, "pretrain_samples": 16, "window": 8}
@@ -186,8 +177,7 @@ def main() -> None:
     p.add_argument("--target", type=float, default=0.6, help="the reward level whose time and tokens are reported")
     p.add_argument("--arms", default=",".join(ARMS))
     args = p.parse_args()
-    apply_quick(args, QUICK)
-    suffix = "_quick" if args.quick else ""
+    suffix = apply_quick(args, QUICK)
     args.model = warm_agentic_model()
     arms = {a: ARMS[a] for a in args.arms.split(",")}
     by_arm = run_arms(arms, args)

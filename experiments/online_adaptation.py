@@ -29,13 +29,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.harness import (
-    FIGURES,
-    RESULTS,
     RUNS,
     STYLE,
     STYLES,
     Run,
     RunSpec,
+    add_common_args,
+    apply_quick,
     mean_spread,
     publish,
     pyplot,
@@ -148,15 +148,9 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--lr", type=float, default=5e-4, help="policy learning rate (the warm model's; every arm)")
     p.add_argument("--min-level", type=float, default=0.3, help="a pre-switch reward below this: style not learned")
-    p.add_argument("--quick", action="store_true", help=f"a fast end-to-end pass: {QUICK}")
-    p.add_argument("--runs", type=Path, default=RUNS / "style")
-    p.add_argument("--results", type=Path, default=RESULTS)
-    p.add_argument("--figures", type=Path, default=FIGURES)
+    add_common_args(p, RUNS / "style", QUICK)
     args = p.parse_args()
-    if args.quick:
-        for k, v in QUICK.items():
-            setattr(args, k, v)
-    suffix = "_quick" if args.quick else ""
+    suffix = apply_quick(args, QUICK)
     model = warm_style_model()
     arms = {a: ARMS[a] for a in args.arms.split(",")}
     by_arm: dict[str, list[Run]] = {a: [] for a in arms}

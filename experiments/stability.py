@@ -31,11 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.harness import (
     AGENTIC,
-    FIGURES,
-    RESULTS,
     RUNS,
     Run,
     RunSpec,
+    add_common_args,
+    apply_quick,
     publish,
     pyplot,
     rolling,
@@ -125,15 +125,9 @@ def main() -> None:
     p.add_argument("--tool-latency", type=float, default=0.0, help="seconds per lookup")
     p.add_argument("--pretrain-samples", type=int, default=96)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help=f"a fast end-to-end pass: {QUICK}")
-    p.add_argument("--runs", type=Path, default=RUNS / "stability")
-    p.add_argument("--results", type=Path, default=RESULTS)
-    p.add_argument("--figures", type=Path, default=FIGURES)
+    add_common_args(p, RUNS / "stability", QUICK)
     args = p.parse_args()
-    if args.quick:
-        for k, v in QUICK.items():
-            setattr(args, k, v)
-    suffix = "_quick" if args.quick else ""
+    suffix = apply_quick(args, QUICK)
     overrides = [
         "--learner.max_steps", str(args.steps), "--learner.trajectories_per_step", str(args.trajectories_per_step),
         "--learner.save_interval", "250", "--rollout.concurrency", "8", "--bus.max_staleness", "4",
