@@ -4,13 +4,15 @@ Owns how the algo config turns a step's trajectories into training targets:
 - `token_rewards`: the [B, T] reward tensor (terminal reward, and optional per-turn rewards, on the last
   action token they score);
 - `compute_step_targets`: policy advantages with lambda_policy (length-adaptive, or `algo.gae.lambda_policy`)
-  and critic returns with lambda_critic (= 1), optionally whitened advantages;
+  and critic returns with lambda_critic (= 1), optionally whitened advantages (`whiten`: over the tokens the policy
+  trains on, across every rank of the step when given a reduction);
 - `sequence_to_token_advantages`: spreads the critic-free arms' per-trajectory advantages over their tokens.
 Called by the learner once per step, before the K value updates and the policy update.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,20 +37,26 @@ def compute_step_targets(
     values: torch.Tensor,
     action_mask: torch.Tensor,
     config: AlgoConfig | GAEConfig,
+    policy_mask: torch.Tensor | None = None,
+    moments: Moments | None = None,
 ) -> StepTargets:
     """Policy advantages and critic returns for one step, as the algo config says.
 
     Args:
         rewards: float [B, T] token rewards (token_rewards(...)); non-zero only on action tokens.
         values: float [B, T] critic values at the start of the step (also value_loss's `old_values`).
-        action_mask: bool [B, T], one trajectory per row.
+        action_mask: bool [B, T], one trajectory per row: the tokens GAE runs over.
         config: the `algo` section (or its `algo.gae` subsection). Uses gamma, alpha, lambda_policy,
             lambda_critic and whiten_advantages.
+        policy_mask: bool [B, T], the tokens the policy loss covers (what whitening normalizes over); default
+            `action_mask` (they differ only when GAE also runs through observation tokens, gae_span).
+        moments: the reduction `whiten` applies to its statistics (the step's other data-parallel ranks); None:
+            these inputs are the whole step.
 
     Returns:
         StepTargets. Advantages: GAE with lambda_policy = 1 - 1/(alpha * l) per row, or the fixed
-        `lambda_policy` when set; whitened over the action tokens of these inputs only when
-        `whiten_advantages` (off by default; the paper does not whiten). Returns: GAE with lambda_critic.
+        `lambda_policy` when set; whitened over `policy_mask` when `whiten_advantages` (off by default; the
+        paper does not whiten), 0 elsewhere. Returns: GAE with lambda_critic.
     """
     gae = config.gae if isinstance(config, AlgoConfig) else config
     if gae.lambda_policy is None:
@@ -67,14 +75,29 @@ def compute_step_targets(
         "gae/returns_mean": masked_mean(returns, action_mask),
     }
     if gae.whiten_advantages:
-        advantages = whiten(advantages, action_mask)
+        advantages = whiten(advantages, action_mask if policy_mask is None else policy_mask, moments=moments)
     return StepTargets(advantages=advantages, returns=returns, lambda_policy=lam_policy, metrics=metrics)
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / (std + eps) over the masked entries (population std); 0 off the mask. [B, T] -> [B, T]."""
-    mean, var = masked_mean_var(x, mask)
-    return torch.where(mask, (x - mean) / (var.sqrt() + eps), 0.0)
+Moments = Callable[[torch.Tensor], torch.Tensor]
+"""Sums a float64 [3] tensor (count, sum, sum of squares) over the ranks that share a step (an all-reduce)."""
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, moments: Moments | None = None) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the masked entries (population std); 0 off the mask. [B, T] -> [B, T].
+
+    With `moments`, mean and std are those of the masked entries of every rank it sums over (each rank holds a
+    data-parallel shard of the step), so the step is whitened as one batch whatever the layout."""
+    picked = x[mask].double()
+    stats = torch.stack([picked.new_tensor(float(picked.numel())), picked.sum(), (picked * picked).sum()])
+    if moments is not None:
+        stats = moments(stats)
+    n, total, squares = (float(v) for v in stats.cpu())
+    if n == 0:
+        return torch.zeros_like(x)
+    mean = total / n
+    std = max(squares / n - mean * mean, 0.0) ** 0.5
+    return torch.where(mask, (x - mean) / (std + eps), 0.0).to(x.dtype)
 
 
 def token_rewards(

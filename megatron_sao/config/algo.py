@@ -42,7 +42,9 @@ class GAEConfig(Section):
     """Lambda for the critic's value targets (paper: 1)."""
 
     whiten_advantages: bool = False
-    """Normalize advantages over the step's action tokens (the paper does not)."""
+    """Centre and scale the policy's advantages over the step's action tokens (every data-parallel rank's, as one
+    batch): a lagging critic otherwise pushes every token of a step the same way (its mean advantage). The paper does
+    not; verl's GAE does."""
 
     skip_observations: bool = True
     """True (SAO): the recursion runs over action tokens only, bootstrapping across a tool's answer from the
@@ -55,19 +57,36 @@ class ValueConfig(Section):
     updates_per_policy_step: int = Field(default=2, ge=0)
     """K: value-model optimizer steps per policy step, on the same trajectories (TTUR; paper 2)."""
 
-    clip: float | None = Field(default=0.2, gt=0.0)
-    """PPO value clip around the values seen at the start of the step [unstated; 0.2]; None disables clipping."""
+    clip: float | None = Field(default=0.5, gt=0.0)
+    """PPO value clip around the values seen at the start of the step, in reward units [unstated]: scale it with the
+    reward range (0.5 for rewards in [0, 1], verl's default; 0.2 held the critic to a fifth of that range per step);
+    None disables clipping."""
 
     pretrain_samples: int = Field(default=0, ge=0)
-    """Value pre-training before the first policy update: critic-only steps (K updates each) on rollouts of the
-    frozen initial policy, until this many trajectories were used (paper: 6000) or the value loss plateaus."""
+    """Value pre-training before the first policy update: critic-only steps on rollouts of the frozen initial policy,
+    until this many new trajectories arrived (paper: 6000), or earlier once the critic is ready (below)."""
+
+    pretrain_buffer_batches: int = Field(default=1, ge=1)
+    """Pre-training keeps the newest this-many batches (of learner.trajectories_per_step) to train on again; 1:
+    each batch is trained on when it arrives and then dropped."""
+
+    pretrain_passes: int = Field(default=1, ge=1)
+    """Passes over that buffer per pre-training step. The first pass starts with the new batch (its metrics are
+    the critic's error on trajectories it has not seen: what the stopping rule reads), then the older batches; each
+    further pass goes over all of it in a new shuffled order. Every batch of a pass is one critic step (K updates)."""
 
     pretrain_plateau_steps: int = Field(default=5, ge=0)
-    """Pre-training also ends when the mean value loss of the last this-many steps improved by less than
-    `pretrain_plateau_tol` (relative) on the this-many before; 0: only the sample budget ends it."""
+    """Pre-training ends early once the critic is ready, judged over the last this-many steps: their mean explained
+    variance (on each new batch, before training on it) is at least `pretrain_min_explained_variance` and their
+    mean value loss improved by less than `pretrain_plateau_tol` (relative) on the this-many before; 0: only the
+    sample budget ends it."""
 
     pretrain_plateau_tol: float = Field(default=0.02, ge=0.0)
     """Relative improvement below which the value loss counts as settled."""
+
+    pretrain_min_explained_variance: float = Field(default=0.3, le=1.0)
+    """The explained variance the critic must reach before a settled loss ends pre-training (VC-PPO / VAPO stop on
+    a low loss and a high explained variance; a loss can settle on a critic that explains nothing)."""
 
 
 class GRPOConfig(Section):

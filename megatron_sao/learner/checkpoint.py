@@ -107,6 +107,7 @@ def _common_state(learner: Learner, extra: dict[str, Any] | None) -> dict[str, A
     common: dict[str, Any] = {
         "version": learner.version,
         "trajectories_trained": learner.trajectories_trained,
+        "value_head_fitted": learner.value_head_fitted,
         "layout": _layout(),
         "model": {"family": learner.spec.family.name, "hf_config": learner.spec.hf, "dtype": learner.spec.dtype},
         HF_SOURCE_KEY: learner.hf_source or hf_source_record(learner.spec, {}),
@@ -279,6 +280,7 @@ def load_pretrained(learner: Learner, path: str | Path) -> None:
         loaded = dist_checkpointing.load(sharded, str(path))
         _load_weights(role.model, loaded, POLICY_PREFIX, path, allow_missing=head)
         role.reload_main_params()
+    learner.value_head_fitted = False  # the head stays new (zero): its bias is set from the first batch
 
 
 def _check_compatible(learner: Learner, common: dict[str, Any], path: Path) -> None:
@@ -372,6 +374,7 @@ def load_checkpoint(learner: Learner, path: str | Path, load_optimizer: bool = T
     learner.hf_source = saved.get(HF_SOURCE_KEY) or learner.hf_source
     learner.version = int(common["version"])
     learner.trajectories_trained = int(common["trajectories_trained"])
+    learner.value_head_fitted = bool(common.get("value_head_fitted", True))  # older checkpoints: a trained head
     if learner.running_mean is not None and "running_mean" in common:
         learner.running_mean.load_state_dict(common["running_mean"])
     if same_layout:

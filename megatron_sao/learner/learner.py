@@ -38,7 +38,7 @@ from megatron_sao.learner.forward import collect_values
 from megatron_sao.learner.metrics import all_reduce_scalar, explained_variance, holds_outputs, reduce_metrics
 from megatron_sao.learner.packing import MicroBatch, pack_microbatches, plan_microbatches
 from megatron_sao.learner.roles import RoleModel, build_role
-from megatron_sao.learner.step import policy_update, value_update
+from megatron_sao.learner.step import ev_totals, first_action_tokens, policy_update, value_update
 from megatron_sao.models.builder import ModelSpec, uses_transformer_engine
 from megatron_sao.models.checkpoint import hf_source_record
 from megatron_sao.models.weights import TIED_LM_HEAD, HFCheckpoint, load_hf_weights
@@ -74,6 +74,19 @@ def check_learner_parallelism(parallel: ParallelConfig) -> None:
         )
 
 
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _data_parallel_sum(stats: torch.Tensor) -> torch.Tensor:
+    """algo.Moments over this stage's data-parallel ranks: whitening sees the whole step, not this rank's shard."""
+    from megatron.core import parallel_state as ps
+
+    out = stats.to(_device())
+    dist.all_reduce(out, group=ps.get_data_parallel_group())
+    return out.cpu()
+
+
 class Learner:
     """Owns the roles on this rank, the policy weight version and the critic-free baselines' state."""
 
@@ -99,7 +112,7 @@ class Learner:
             self.value = build_role(
                 self.spec, cfg.parallel, "value", learner.value,
                 total_steps=learner.max_steps * algo.value.updates_per_policy_step,
-                use_distributed_optimizer=learner.use_distributed_optimizer, seed=learner.seed,
+                use_distributed_optimizer=learner.use_distributed_optimizer,
                 recompute=learner.recompute,
             )  # fmt: skip
         self.hf_source: dict[str, Any] | None = None
@@ -108,6 +121,9 @@ class Learner:
         self.version = 0
         """Policy weight version: the number of policy optimizer steps taken (engines tag tokens with it)."""
         self.trajectories_trained = 0
+        self.value_head_fitted = False
+        """Whether the critic's head bias was set from a first batch (_fit_value_bias); checkpointed. A head loaded
+        fresh (HF weights, a weights-only checkpoint) is not."""
         self.nonfinite_total: dict[str, int] = {}  # optimizer steps skipped for NaN/Inf gradients, per model
         self.nonfinite_in_a_row: dict[str, int] = {}
         self.running_mean = RunningMeanBaseline(algo.running_mean.window) if algo.name == "running_mean" else None
@@ -144,6 +160,7 @@ class Learner:
             if role is not None:
                 load_hf_weights(role.model, self.spec, hf, role=role.role)
                 role.reload_main_params()
+        self.value_head_fitted = False
 
     # ------------------------------------------------------------------ the step
 
@@ -259,7 +276,7 @@ class Learner:
             {
                 "policy/grad_norm": grad_norm,
                 "policy/update_ok": float(ok),
-                "policy/lr": self.policy.current_lr(),
+                "policy/lr": self.policy.applied_lr,
                 **self._moe_metrics(len(plan.mbs)),
             }
         )
@@ -269,22 +286,38 @@ class Learner:
     def _critic_updates(
         self, plan: StepPlan, publish: Callable[[dict[str, np.ndarray]], None] | None = None
     ) -> torch.Tensor:
+        """values_old, GAE, then K critic updates; returns the policy's advantages [B, L] (zeros off the last
+        pipeline stage). `value/explained_variance` is the honest one: the values GAE used, before the critic
+        trained on this batch (the one a decision may rest on); `value/explained_variance_post` is measured in the
+        last update's forward, after K - 1 updates on the same batch."""
         assert self.value is not None
         algo = self.cfg.algo
         batch, mbs, metrics = plan.batch, plan.mbs, plan.metrics
         old_values = torch.zeros_like(batch.rollout_logprobs)
         with torch.no_grad():
             on_last_stage = collect_values(self.value.ddp, mbs, old_values)
-        advantages = returns = None
         gae_mask = batch.action_mask if algo.gae.skip_observations else gae_span(batch.action_mask)
-        gae: list[dict[str, tuple[float, float]]] = []
+        rewards = None
         if on_last_stage:
             rewards = token_rewards(batch.action_mask, batch.rewards, batch.turn_rewards, batch.turn_index)
-            targets = compute_step_targets(rewards, old_values, gae_mask, algo)
+        if not self.value_head_fitted:
+            old_values, on_last_stage = self._fit_value_bias(plan, rewards, old_values, gae_mask)
+        advantages = returns = None
+        stats: list[dict[str, tuple[float, float]]] = []
+        if on_last_stage:
+            assert rewards is not None
+            targets = compute_step_targets(rewards, old_values, gae_mask, algo, policy_mask=batch.action_mask,
+                                           moments=_data_parallel_sum)  # fmt: skip
             advantages, returns = targets.advantages, targets.returns
             tokens = float(batch.action_mask.sum())  # gae/*: token-weighted over the ranks that hold outputs
-            gae = [{name: (float(v) * tokens, tokens) for name, v in targets.metrics.items()}] if tokens else []
-        metrics.update(reduce_metrics(gae))
+            stats = [{name: (float(v) * tokens, tokens) for name, v in targets.metrics.items()}] if tokens else []
+            first = first_action_tokens(batch.action_mask)
+            stats.append(ev_totals("value/ev_", old_values, returns, gae_mask))
+            stats.append(ev_totals("value/ev_first_", old_values, returns, first))
+        reduced = reduce_metrics(stats)
+        explained_variance(reduced, "value/ev_", "value/explained_variance")
+        explained_variance(reduced, "value/ev_first_", "value/explained_variance_first_token")
+        metrics.update(reduced)
         if publish is not None:
             by_id = {}
             if advantages is not None and plan.holds_outputs:
@@ -295,14 +328,41 @@ class Learner:
             results, ok, grad_norm = value_update(
                 self.value, mbs, batch, returns, old_values, algo.value.clip, value_mask=gae_mask
             )
-            reduced = explained_variance(reduce_metrics(results))
+            reduced = explained_variance(reduce_metrics(results), "value/ev_", "value/explained_variance_post")
             if k == 0:
                 metrics["loss/value_first"] = reduced["loss/value"]
             metrics.update(reduced)
             metrics.update({"value/grad_norm": grad_norm, "value/update_ok": float(ok), **self._nonfinite("value", ok)})
         metrics["value/updates"] = float(algo.value.updates_per_policy_step)
-        metrics["value/lr"] = self.value.current_lr()
+        metrics["value/lr"] = self.value.applied_lr
         return advantages if advantages is not None else torch.zeros_like(old_values)
+
+    def _fit_value_bias(
+        self, plan: StepPlan, rewards: torch.Tensor | None, values: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, bool]:
+        """Collective, once per critic: a new head (models/value_head.py: zero) predicts 0 everywhere; set its bias
+        to the mean critic target of this first batch (token-weighted over `mask`, every data-parallel rank), so
+        the critic starts at the best constant instead of an arbitrary one. Returns the values GAE should use
+        (read again through the model) and whether this rank holds them."""
+        from megatron.core import parallel_state as ps
+
+        assert self.value is not None
+        if rewards is not None:  # last pipeline stage: the head lives here
+            returns = compute_step_targets(rewards, values, mask, self.cfg.algo.gae).returns
+            sums = torch.tensor([float(returns[mask].double().sum()), float(mask.sum())], dtype=torch.float64)
+            sums = sums.to(_device())
+            dist.all_reduce(sums, group=ps.get_data_parallel_group())
+            mean = float(sums[0] / sums[1]) if sums[1] > 0 else 0.0
+            with torch.no_grad():
+                self.value.model.output_layer.bias.fill_(mean)
+            if dist.get_rank() == 0 or plan.holds_outputs:
+                logger.info("value head: bias set to %.4f, the mean return of the first batch", mean)
+        self.value.reload_main_params()
+        self.value_head_fitted = True
+        values = torch.zeros_like(values)
+        with torch.no_grad():
+            on_last_stage = collect_values(self.value.ddp, plan.mbs, values)
+        return values, on_last_stage
 
     # ------------------------------------------------------------------ helpers
 

@@ -67,10 +67,10 @@ def reduce_metrics(per_microbatch: list[WeightedMetrics], prefix: str = "") -> d
     return out
 
 
-def explained_variance(metrics: dict[str, float], prefix: str = "value/") -> dict[str, float]:
-    """Replace the ev_*_total sums by the step's explained variance (1 when Var(R) = 0 and Var(R - V) = 0, 0 when
-    only Var(R) = 0, as algo.explained_variance does)."""
-    totals = {k: metrics.pop(f"{prefix}ev_{k}_total", 0.0) for k in ("n", "r", "r2", "e", "e2")}
+def explained_variance(metrics: dict[str, float], stem: str, key: str) -> dict[str, float]:
+    """Replace the `<stem>*_total` sums (learner/step.py ev_totals) by the step's explained variance under `key` (1
+    when Var(R) = 0 and Var(R - V) = 0, 0 when only Var(R) = 0, as algo.explained_variance does); in place."""
+    totals = {k: metrics.pop(f"{stem}{k}_total", 0.0) for k in ("n", "r", "r2", "e", "e2")}
     n = totals["n"]
     if n <= 0:
         return metrics
@@ -80,7 +80,7 @@ def explained_variance(metrics: dict[str, float], prefix: str = "value/") -> dic
         ev = 1.0 if var_e <= 1e-12 else 0.0
     else:
         ev = 1.0 - var_e / var_r
-    metrics[f"{prefix}explained_variance"] = ev
+    metrics[key] = ev
     return metrics
 
 

@@ -69,6 +69,8 @@ class RoleModel:
     scheduler: Any  # megatron OptimizerParamScheduler
     report: TrainableReport
     optimizer_steps: int = 0
+    applied_lr: float = 0.0
+    """The learning rate of the last optimizer step (the scheduler has moved on to the next one's since)."""
 
     @property
     def model(self) -> Any:
@@ -80,6 +82,7 @@ class RoleModel:
 
     def step(self) -> tuple[bool, float]:
         """Optimizer step (with megatron's gradient clipping) and one scheduler step."""
+        self.applied_lr = self.current_lr()
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
@@ -93,6 +96,7 @@ class RoleModel:
             opt.reload_model_params()
 
     def current_lr(self) -> float:
+        """The learning rate the next optimizer step will use."""
         return float(self.optimizer.param_groups[0]["lr"])
 
 
@@ -139,6 +143,14 @@ def wrap_ddp_and_optimizer(
     return ddp, get_megatron_optimizer(opt_config, [ddp])
 
 
+def warmup(optim: RoleOptimConfig) -> tuple[float, int]:
+    """(init_lr, lr_warmup_steps) for megatron's scheduler so that optimizer step k (0, 1, ...) of a W-step warm-up
+    runs at lr * (k + 1) / W: the first step already moves the weights (lr / W), step W - 1 is at the peak. Megatron
+    interpolates init_lr -> max_lr over lr_warmup_steps, so that is init_lr = lr / W over W - 1 steps."""
+    w = optim.warmup_steps
+    return (optim.lr / w, w - 1) if w > 1 else (optim.lr, 0)
+
+
 def build_role(
     spec: ModelSpec,
     parallel: ParallelConfig,
@@ -148,7 +160,6 @@ def build_role(
     total_steps: int,
     use_distributed_optimizer: bool,
     moe_aux_loss_coeff: float = 0.0,
-    seed: int = 0,
     recompute: Recompute = "none",
 ) -> RoleModel:
     """Build, freeze, wrap and attach an optimizer; weights are still the random init (load them next)."""
@@ -156,7 +167,7 @@ def build_role(
 
     config = transformer_config(spec, parallel, moe_aux_loss_coeff=moe_aux_loss_coeff if role == "policy" else 0.0,
                                 **recompute_settings(recompute))  # fmt: skip
-    model = build_model(spec, config, role, value_head_seed=seed)
+    model = build_model(spec, config, role)
     report = select_trainable(model, optim.trainable, optim.frozen)
     if recompute == "full":
         _grad_into_frozen_embedding(model)
@@ -165,13 +176,14 @@ def build_role(
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     ddp, optimizer = wrap_ddp_and_optimizer(model, config, optim, use_distributed_optimizer)
+    init_lr, ramp = warmup(optim)
     scheduler = OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if optim.warmup_steps else optim.lr,
+        init_lr=init_lr,
         max_lr=optim.lr,
         min_lr=optim.min_lr,
-        lr_warmup_steps=optim.warmup_steps,
-        lr_decay_steps=max(total_steps, optim.warmup_steps + 1),
+        lr_warmup_steps=ramp,
+        lr_decay_steps=max(total_steps, ramp + 1),
         lr_decay_style=optim.schedule,
         start_wd=optim.weight_decay,
         end_wd=optim.weight_decay,

@@ -31,7 +31,7 @@ def _weighted(metrics: dict[str, Any], count: float) -> WeightedMetrics:
     out: WeightedMetrics = {}
     for name, value in metrics.items():
         v = float(value)
-        if name.endswith(("num_action_tokens", "explained_variance")):  # step-level: see explained_variance_totals
+        if name.endswith(("num_action_tokens", "explained_variance")):  # step-level: see ev_totals
             continue
         if name.endswith("_total"):
             out[name] = (v, 1.0)
@@ -45,18 +45,21 @@ def _weighted(metrics: dict[str, Any], count: float) -> WeightedMetrics:
     return out
 
 
-def explained_variance_totals(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
-    """Sufficient statistics of 1 - Var(R - V) / Var(R) over action tokens, summed across micro-batches and
-    ranks by learner/metrics.py (a per-micro-batch explained variance would be meaningless)."""
+def ev_totals(stem: str, values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> WeightedMetrics:
+    """Sufficient statistics of 1 - Var(R - V) / Var(R) over the masked tokens, as `<stem>{n,r,r2,e,e2}_total`
+    entries that learner/metrics.py sums across micro-batches and ranks and `explained_variance` turns into one
+    figure (a per-micro-batch explained variance would be meaningless)."""
     with torch.no_grad():
         r, resid = returns[mask].double(), (returns - values)[mask].double()
-        return {
-            "value/ev_n_total": float(mask.sum()),
-            "value/ev_r_total": float(r.sum()),
-            "value/ev_r2_total": float((r * r).sum()),
-            "value/ev_e_total": float(resid.sum()),
-            "value/ev_e2_total": float((resid * resid).sum()),
-        }
+        sums = {"n": float(mask.sum()), "r": float(r.sum()), "r2": float((r * r).sum()), "e": float(resid.sum()),
+                "e2": float((resid * resid).sum())}  # fmt: skip
+        return {f"{stem}{k}_total": (v, 1.0) for k, v in sums.items()}
+
+
+def first_action_tokens(action_mask: torch.Tensor) -> torch.Tensor:
+    """bool [B, L]: each trajectory's first action position (the value there is the critic's estimate of the
+    whole episode from the prompt alone)."""
+    return action_mask & (action_mask.cumsum(dim=1) == 1)
 
 
 def value_update(
@@ -84,8 +87,8 @@ def value_update(
             clip=clip, num_action_tokens=1.0,
         )  # fmt: skip
         count = mask.sum()
-        totals = explained_variance_totals(values[0].detach(), mb.pack(returns).to(dev), mask)
-        return loss, count.to(torch.int), _weighted({**m, **totals}, float(count))
+        totals = ev_totals("value/ev_", values[0].detach(), mb.pack(returns).to(dev), mask)
+        return loss, count.to(torch.int), {**_weighted(m, float(count)), **totals}
 
     value.zero_grad()
     results = run_microbatches(value.ddp, microbatches, loss_fn, forward_only=False)

@@ -215,10 +215,9 @@ def build_model(
     *,
     use_te: bool | None = None,
     vp_stage: int | None = None,
-    value_head_seed: int = 0,
 ) -> Any:
     """This pipeline stage's GPTModel. Weights are randomly initialized; load them with models.weights.
-    The value role's head is initialized from `value_head_seed` alone (identical at every layout)."""
+    The value role's head starts at zero (models/value_head.py), identical at every layout."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -251,5 +250,5 @@ def build_model(
         vp_stage=vp_stage,
     )
     if role == "value" and post:
-        model.output_layer = ValueHead(config, init_seed=value_head_seed)
+        model.output_layer = ValueHead(config)
     return model

@@ -2,8 +2,9 @@
 
     resume from learner.load / save_dir/latest (weights, optimizers, version, pre-training progress, bus de-dup
         state), else load HF
-    value pre-training (sao with algo.value.pretrain_samples): critic-only steps on the initial policy's rollouts
-        until the sample budget or a value-loss plateau (run/pretrain.py); nothing is pushed, the version stays 0
+    value pre-training (sao with algo.value.pretrain_samples): critic-only steps on the initial policy's rollouts,
+        passes over a buffer of them, until the critic is ready or the sample budget is used (run/pretrain.py);
+        nothing is pushed, the version stays 0
     rank 0: the next batch from the bus (run/batches.py): N trajectories as they finish, or, for the group arms,
         N/G whole groups; every rank gets the same list
     learner.train_step: K value updates, one DIS policy update (version += 1) -- or the group / running-mean
@@ -223,7 +224,7 @@ class _Run:
             learner.load_hf(cfg.model.hf_path)
         else:
             raise ValueError("model.hf_path is not set and there is no checkpoint to resume: set model.hf_path")
-        self.pretrain = ValuePretraining(cfg.algo, extra.get("pretrain"), learner.version)
+        self.pretrain = ValuePretraining(cfg.algo, extra.get("pretrain"), learner.version, cfg.bus, cfg.learner.seed)
         self.run_dir = Path(cfg.launch.run_dir)
         self.save_dir = str(checkpoint_dir(cfg))
         self.receiver = None
@@ -362,7 +363,11 @@ def learn(cfg: SAOConfig, engine_urls: list[str], on_ready: Callable[[], None] |
                 run.log_push(engines.push("resync"))
                 continue
             if run.pretrain.active:  # the critic learns the initial policy's returns; the policy waits
-                metrics = learner.train_step(batch, update_policy=False)
+                critic_steps = run.pretrain.batches(batch)  # the new batch first: its metrics are honest
+                metrics = learner.train_step(critic_steps[0], update_policy=False)
+                for more in critic_steps[1:]:
+                    learner.train_step(more, update_policy=False)
+                metrics["pretrain/critic_steps"] = float(len(critic_steps))
                 run.pretrain.record(len(batch), metrics)
                 metrics.update(run.pretrain.metrics())
                 times["time/checkpoint"] = run.save(force=run.pretrain.done)

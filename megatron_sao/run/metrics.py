@@ -65,14 +65,40 @@ SCHEMA: tuple[Metric, ...] = (
     Metric("staleness/versions_in_step", "step", "distinct weight versions among the step's action tokens"),
     Metric("loss/policy", "policy", "policy loss (DIS: -sum m r A / N)"),
     Metric("loss/value", "critic", "value loss after the last of the K critic updates"),
-    Metric("loss/value_first", "critic", "value loss of the first critic update (the plateau pre-training watches)"),
+    Metric(
+        "loss/value_first",
+        "critic",
+        "value loss of the first critic update, before the critic trained on the "
+        "batch (what pre-training's stopping rule watches)",
+    ),  # fmt: skip
     Metric("dis/*", "policy", "DIS diagnostics: masked fractions (low / high), ratio mean / max, mismatch KL"),
     Metric("policy/*", "policy", "policy optimizer: grad norm, lr, update_ok"),
-    Metric("value/explained_variance", "critic", "1 - Var(returns - values) / Var(returns)"),
+    Metric(
+        "value/explained_variance",
+        "critic",
+        "1 - Var(returns - values) / Var(returns) of the values GAE used, "
+        "before the critic trained on the batch (honest: what decisions read)",
+    ),
+    Metric(
+        "value/explained_variance_first_token",
+        "critic",
+        "the same on each trajectory's first action token (the critic's estimate of the episode from the prompt alone)",
+    ),
+    Metric(
+        "value/explained_variance_post",
+        "critic",
+        "the same in the last critic update's forward, after K - 1 "
+        "updates on the batch (optimistic: the critic has seen these returns)",
+    ),  # fmt: skip
     Metric("value/*", "critic", "critic diagnostics: clipfrac, returns and value means, grad norm, lr, updates"),
     Metric("gae/*", "critic", "GAE over action tokens: lambda_policy mean, advantages mean / std, returns mean"),
     Metric("moe/*", "moe", "MoE router losses per layer (load-balancing aux loss, z-loss), as megatron tracks them"),
-    Metric("pretrain/*", "pretrain", "value pre-training progress: samples, steps, plateau counter, done"),
+    Metric(
+        "pretrain/*",
+        "pretrain",
+        "value pre-training progress: samples (new trajectories), steps, critic_steps "
+        "(critic steps of the step: the new batch, then passes over the buffer), done",
+    ),  # fmt: skip
     Metric(
         "sync/reason",
         "push",

@@ -110,3 +110,39 @@ def test_one_sao_step_end_to_end_gives_finite_losses_and_gradients() -> None:
     (v_loss + pg_loss).backward()
     for grad in (values.grad, logprobs.grad):
         assert torch.isfinite(grad).all() and (grad[~MASK] == 0).all() and (grad[MASK] != 0).any()
+
+
+def test_whitening_covers_the_policy_tokens_of_every_shard() -> None:
+    from megatron_sao.algo.advantages import whiten
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 20, generator=g) * 3 + 1
+    mask = torch.rand(6, 20, generator=g) < 0.6
+    whole = whiten(x, mask)
+    # two data-parallel shards of the step, whitened with moments summed over both: the same as the whole step
+    shards = [(x[:2], mask[:2]), (x[2:], mask[2:])]
+
+    def stats(xs, ms):
+        picked = xs[ms].double()
+        return torch.stack([picked.new_tensor(float(picked.numel())), picked.sum(), (picked * picked).sum()])
+
+    total = sum(stats(xs, ms) for xs, ms in shards)
+    parts = [whiten(xs, ms, moments=lambda _: total) for xs, ms in shards]
+    torch.testing.assert_close(torch.cat(parts), whole)
+    assert not torch.allclose(whiten(*shards[0]), whole[:2])  # each shard alone: another mean and spread
+
+
+def test_step_targets_whiten_over_action_tokens_when_gae_spans_observations() -> None:
+    from megatron_sao.algo import gae_span
+
+    g = torch.Generator().manual_seed(4)
+    action = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 0], [0, 0, 1, 0, 1, 1, 0, 0]], dtype=torch.bool)
+    span = gae_span(action)
+    assert (span & ~action).any()  # observation tokens inside the span
+    rewards = token_rewards(action, torch.tensor([1.0, -0.5]))
+    values = torch.randn(2, 8, generator=g)
+    config = AlgoConfig.model_validate({"gae": {"whiten_advantages": True, "skip_observations": False}})
+    adv = compute_step_targets(rewards, values, span, config, policy_mask=action).advantages
+    assert (adv[~action] == 0).all()
+    assert adv[action].mean().item() == pytest.approx(0.0, abs=1e-6)
+    assert adv[action].std(correction=0).item() == pytest.approx(1.0, abs=1e-5)

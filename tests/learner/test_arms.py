@@ -40,10 +40,15 @@ def _moved(before: dict[str, torch.Tensor], model: Any) -> float:
 
 def _sao_one_trajectory(hf_dir: str) -> dict[str, Any]:
     learner = _learner(hf_dir, "sao")
+    first, second = on_policy(make_batch(2, seed=4), hf_dir)
+    second.header = type(second.header)(**{**_fields(second.header), "reward": first.header.reward + 1.0})
     before = _params(learner.policy.model)
-    metrics = learner.train_step(on_policy(make_batch(1, seed=4), hf_dir))
-    return {"metrics": metrics, "version": learner.version, "moved": _moved(before, learner.policy.model),
-            "value_steps": learner.value.optimizer_steps}  # fmt: skip
+    # the new critic's bias becomes this trajectory's return: its advantages are 0, the policy keeps its weights
+    learner.train_step([first])
+    still = _moved(before, learner.policy.model)
+    metrics = learner.train_step([second])
+    return {"metrics": metrics, "version": learner.version, "still": still,
+            "moved": _moved(before, learner.policy.model), "value_steps": learner.value.optimizer_steps}  # fmt: skip
 
 
 def _group_arm(hf_dir: str, arm: str) -> dict[str, Any]:
@@ -91,7 +96,7 @@ def _critic_only(hf_dir: str) -> dict[str, Any]:
 @pytest.mark.multiproc
 def test_sao_steps_on_a_single_trajectory(tiny_hf_dir: Any) -> None:
     (out,) = spawn_ranks(_sao_one_trajectory, 1, str(tiny_hf_dir("qwen3_moe")), timeout_s=300)
-    assert out["version"] == 1 and out["moved"] > 0 and out["value_steps"] == 2
+    assert out["version"] == 2 and out["still"] == 0.0 and out["moved"] > 0 and out["value_steps"] == 4
     assert out["metrics"]["step/trajectories"] == 1 and "loss/policy" in out["metrics"]
 
 
