@@ -15,6 +15,8 @@ submit CONFIG [...] [--dry-run] [--wait]     write <run_dir>/slurm.sbatch for a 
 plot RUN_DIR [RUN_DIR ...] [--out DIR]       PNGs of runs' metrics (reward, masked fraction, staleness, losses, ...)
 ledger RUN_DIR                               check that every trajectory was trained once, dropped, or is pending
 learn CONFIG --engines URLS [...]            the learner loop (every rank; under torchrun / srun on clusters)
+critic CONFIG --bridge tcp://HOST:PORT [...] the value job of a critic on its own ranks (learner.
+                                             value_on_separate_ranks; `run` starts it)
 rollout CONFIG --engines URLS [...]          one rollout worker pushing trajectories onto the bus
 """
 
@@ -108,6 +110,10 @@ def _load(
     if prog == "learn":
         p.add_argument("--ready-file", default=None, help="created (rank 0) once the learner listens for trajectories "
                        "and the engines hold its weights: start rollout workers after it appears")  # fmt: skip
+        p.add_argument("--critic-bridge", default=None, help="learner.value_on_separate_ranks: tcp://HOST:PORT this "
+                       "job (rank 0's host) serves the bridge to the value job on")  # fmt: skip
+    if prog == "critic":
+        p.add_argument("--bridge", required=True, help="tcp://HOST:PORT of the policy job's bridge (its rank 0)")
     if launch:
         p.add_argument("--dry-run", action="store_true", help="print the plan and every command; start nothing")
     if prog == "submit":
@@ -241,13 +247,30 @@ def _learn(ns: argparse.Namespace, rest: list[str]) -> int:
     urls = [u for u in args.engines.split(",") if u] or list(cfg.rollout.engine_urls)
     try:
         ready = Path(args.ready_file) if args.ready_file else None
-        summary = learn(cfg, urls, on_ready=ready.touch if ready else None)
+        summary = learn(cfg, urls, on_ready=ready.touch if ready else None, critic_bridge=args.critic_bridge)
     except NonFiniteTraining as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if os.environ.get("RANK", "0") == "0":
         print(f"[learner] done: {summary}", flush=True)
     return 0  # also after a clean stop (SIGTERM / STOP): it checkpointed; the log says "stopped by"
+
+
+@command("critic")
+def _critic(ns: argparse.Namespace, rest: list[str]) -> int:
+    loaded = _load("critic", rest)
+    if loaded is None:
+        return 2
+    cfg, args, _ = loaded
+    from megatron_sao.learner.errors import NonFiniteTraining
+    from megatron_sao.run.critic import serve
+
+    try:
+        serve(cfg, args.bridge)
+    except (NonFiniteTraining, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 @command("rollout")

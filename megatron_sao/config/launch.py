@@ -64,6 +64,15 @@ class LaunchConfig(Section):
     workers_per_node: int = Field(default=1, ge=1)
     """slurm: rollout workers per worker node, each with its own share of the prompts (local: one worker)."""
 
+    value_nnodes: int = Field(default=0, ge=0)
+    """slurm, learner.value_on_separate_ranks: nodes of the value job, after the learner's; 0: it shares the learner's
+    first node (CPU clusters, or GPUs left free there). local: must be 0."""
+
+    value_nproc_per_node: int = Field(default=1, ge=1)
+    """learner.value_on_separate_ranks: value-job ranks per node (its world: this x max(value_nnodes, 1)). Its
+    torchrun meets on rdzv_port + 1 of its first node; the bridge to the policy job is rdzv_port + 2 on the learner's
+    first node."""
+
     gpus_per_node: int = Field(default=8, ge=0)
     """GPUs per node: the sbatch request (--gpus-per-node; none when 0), the SGLang engines' --base-gpu-id offsets,
     and the bound on engines per node (tp x dp each) and on nproc_per_node of a GPU learner."""
@@ -101,14 +110,19 @@ class LaunchConfig(Section):
         return self.nnodes * self.nproc_per_node
 
     @property
+    def value_world_size(self) -> int:
+        """Ranks of the value job (learner.value_on_separate_ranks)."""
+        return max(self.value_nnodes, 1) * self.value_nproc_per_node
+
+    @property
     def total_nodes(self) -> int:
-        """Nodes a slurm run needs: learner, engine and worker nodes."""
-        return self.nnodes + self.rollout_nodes + self.worker_nodes
+        """Nodes a slurm run needs: learner, value job, engine and worker nodes."""
+        return self.nnodes + self.value_nnodes + self.rollout_nodes + self.worker_nodes
 
     @model_validator(mode="after")
     def _check(self) -> LaunchConfig:
         if self.mode == "local":
-            for name in ("rollout_nodes", "worker_nodes"):
+            for name in ("rollout_nodes", "worker_nodes", "value_nnodes"):
                 if getattr(self, name):
                     raise ValueError(f"launch.{name}={getattr(self, name)} places roles on other nodes, which "
                                      "launch.mode=local never does: set launch.mode=slurm (and run inside an "

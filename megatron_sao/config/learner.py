@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from megatron_sao.config.base import Section
+from megatron_sao.config.parallel import ParallelConfig
 
 Recompute = Literal["none", "selective", "full"]
 
@@ -86,10 +87,15 @@ class LearnerConfig(Section):
     """Load-balancing auxiliary loss weight added to the policy loss (logged either way)."""
 
     value_on_separate_ranks: bool = False
-    """Place the value model on its own ranks (a second job with the same parallel layout) instead of sharing the
-    policy's (default: shared); its K critic updates then run while the policy updates. The Learner API supports it
-    (roles={'policy'} / {'value'}, learner/advantage_channel.py); the run loop does not start the two jobs yet and
-    refuses it."""
+    """Run the critic on its own ranks: a value job (`python -m megatron_sao critic`, its own torch.distributed
+    world with the `value_parallel` layout, started by `run` on launch.value_nproc_per_node x launch.value_nnodes
+    ranks) beside the policy job. A step's K critic updates then run while the policy updates and pushes, so it
+    costs about max(policy, critic) instead of their sum (run/critic.py). Default: both models on every learner
+    rank, the critic updates first (sao only)."""
+
+    value_parallel: ParallelConfig | None = None
+    """The value job's own TP / PP / EP layout (DP from its rank count); None: the same as `parallel`. Only with
+    value_on_separate_ranks."""
 
     save_dir: str | None = None
     """Directory for distributed checkpoints; None: <launch.run_dir>/checkpoints. The run resumes from its latest."""
@@ -110,6 +116,10 @@ class LearnerConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> LearnerConfig:
+        if self.value_parallel is not None and not self.value_on_separate_ranks:
+            raise ValueError("learner.value_parallel is set but learner.value_on_separate_ranks=false: the critic "
+                             "shares the policy's ranks and layout; set learner.value_on_separate_ranks=true or "
+                             "remove learner.value_parallel")  # fmt: skip
         for role in ("policy", "value"):
             r: RoleOptimConfig = getattr(self, role)
             if r.min_lr > r.lr:

@@ -36,14 +36,30 @@ class SAOConfig(Section):
         if "stale_log_dir" not in self.bus.model_fields_set:  # the trajectory ledger reads <run_dir>/stale.jsonl
             self.bus.stale_log_dir = str(self.launch.run_dir)
         self.parallel.check_world_size(self.launch.learner_world_size)
+        if self.learner.value_on_separate_ranks:
+            if not self.algo.uses_critic:
+                raise ValueError(f"learner.value_on_separate_ranks=true but algo.name={self.algo.name} has no critic; "
+                                 "set learner.value_on_separate_ranks=false (or algo.name=sao)")  # fmt: skip
+            value_layout = self.learner.value_parallel or self.parallel
+            try:
+                value_layout.check_world_size(self.launch.value_world_size)
+            except ValueError as e:
+                raise ValueError(f"the value job ({self.launch.value_world_size} ranks: launch.value_nproc_per_node x "
+                                 f"max(launch.value_nnodes, 1)) with its layout (learner.value_parallel, else "
+                                 f"parallel): {e}") from None  # fmt: skip
         hf = self.model.hf_config_dict()
         if hf is not None and hf.get("num_attention_heads"):
             mla = "kv_lora_rank" in hf  # multi-latent attention: no key/value head groups to split
             kv = None if mla else int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
             self.parallel.check_attention_heads(int(hf["num_attention_heads"]), kv)
         num_experts = self.model.resolved_num_experts()
+        layouts = [self.parallel] + ([self.learner.value_parallel] if self.learner.value_parallel else [])
+        for layout in layouts[1:]:
+            if hf is not None and hf.get("num_attention_heads"):
+                layout.check_attention_heads(int(hf["num_attention_heads"]), kv)
         if num_experts is not None:
-            self.parallel.check_num_experts(num_experts)
+            for layout in layouts:
+                layout.check_num_experts(num_experts)
         if self.algo.grouped and self.learner.trajectories_per_step % self.algo.grpo.group_size:
             n, g = self.learner.trajectories_per_step, self.algo.grpo.group_size
             raise ValueError(

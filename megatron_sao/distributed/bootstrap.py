@@ -80,7 +80,10 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234, timeout_s: floa
         torch.cuda.set_device(platform.device)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if world_size == 1:  # nobody to meet: a free port, never one left in the environment by another process
+        # One rank outside torchrun has nobody to meet: a free port, never one left in the environment by another
+        # process. Under torchrun the rank joins its agent's store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE),
+        # which must stay.
+        if world_size == 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
             from megatron_sao.distributed.spawn import find_free_port
 
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(find_free_port())

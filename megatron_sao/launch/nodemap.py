@@ -1,7 +1,9 @@
 """Which node runs which role (launch.mode=slurm): the allocation's nodes in order go to the learner (launch.nnodes),
-the engines (launch.rollout_nodes) and the rollout workers (launch.worker_nodes), and every address the roles need
-follows from it -- torchrun's rendezvous, the bus, each engine's URL. Pure: no Slurm needed (the dry run and the
-golden tests use it as the real launch does). A node map that cannot work raises NodeMapError naming the field."""
+the value job of a critic on its own ranks (launch.value_nnodes; none: it shares the learner's first node), the
+engines (launch.rollout_nodes) and the rollout workers (launch.worker_nodes), and every address the roles need
+follows from it -- torchrun's rendezvous (the value job's too), the bridge between them, the bus, each engine's URL.
+Pure: no Slurm needed (the dry run and the golden tests use it as the real launch does). A node map that cannot work
+raises NodeMapError naming the field."""
 
 from __future__ import annotations
 
@@ -47,6 +49,9 @@ class NodeMap:
     bus_bind: str  # what the learner binds
     bus_connect: str  # what the workers connect to
     rdzv: str  # host:port of torchrun's rendezvous
+    value: tuple[Node, ...] = ()  # the value job's nodes (learner.value_on_separate_ranks)
+    value_rdzv: str | None = None  # host:port of the value job's torchrun rendezvous
+    critic_bridge: str | None = None  # tcp://host:port the learner's rank 0 serves the bridge to the value job on
 
     @property
     def engine_urls(self) -> list[str]:
@@ -57,13 +62,15 @@ class NodeMap:
         roles: dict[str, list[str]] = {}
         for n in self.learner:
             roles.setdefault(n.name, []).append("learner")
+        for n in self.value:
+            roles.setdefault(n.name, []).append("value job")
         for e in self.engines:
             roles.setdefault(e.node.name, []).append(f"engine-{e.index}")
         for w in self.workers:
             roles.setdefault(w.node.name, []).append(w.worker_id)
         for n in self.unused:
             roles.setdefault(n.name, []).append("(unused)")
-        addrs = {n.name: n.addr for n in (*self.learner, *self.unused)}
+        addrs = {n.name: n.addr for n in (*self.learner, *self.value, *self.unused)}
         addrs.update({e.node.name: e.node.addr for e in self.engines})
         addrs.update({w.node.name: w.node.addr for w in self.workers})
         width = max(len(name) for name in roles)
@@ -86,16 +93,29 @@ def plan(cfg: SAOConfig, nodes: list[Node]) -> NodeMap:
     if len(nodes) < need:
         raise NodeMapError(
             f"the allocation has {len(nodes)} node(s) but the roles need {need}: launch.nnodes={la.nnodes} (learner) + "
-            f"launch.rollout_nodes={la.rollout_nodes} (engines) + launch.worker_nodes={la.worker_nodes} (rollout "
-            f"workers); allocate {need} nodes (sbatch/salloc --nodes={need}; ./launch.sh submit asks for them) or "
-            "lower those fields"
+            f"launch.value_nnodes={la.value_nnodes} (value job) + launch.rollout_nodes={la.rollout_nodes} (engines) + "
+            f"launch.worker_nodes={la.worker_nodes} (rollout workers); allocate {need} nodes (sbatch/salloc "
+            f"--nodes={need}; ./launch.sh submit asks for them) or lower those fields"
         )  # fmt: skip
     if r.engine_urls:
         raise NodeMapError("rollout.engine_urls names running engines, but under launch.mode=slurm the launcher "
                            "starts the engines on launch.rollout_nodes; leave rollout.engine_urls empty")  # fmt: skip
     learner = tuple(nodes[: la.nnodes])
-    engine_nodes = list(nodes[la.nnodes : la.nnodes + la.rollout_nodes]) or [learner[0]]
-    worker_nodes = list(nodes[la.nnodes + la.rollout_nodes : need]) or engine_nodes
+    first_engine = la.nnodes + la.value_nnodes
+    separate = cfg.learner.value_on_separate_ranks
+    value = (tuple(nodes[la.nnodes : first_engine]) or learner[:1]) if separate else ()
+    if la.value_nnodes and not separate:
+        raise NodeMapError(f"launch.value_nnodes={la.value_nnodes} but learner.value_on_separate_ranks=false: there is "
+                           "no value job to place; set launch.value_nnodes=0")  # fmt: skip
+    if separate and la.gpus_per_node:
+        beside = la.nproc_per_node if not la.value_nnodes else 0  # the value job shares the learner's first node
+        if la.value_nproc_per_node + beside > la.gpus_per_node:
+            raise NodeMapError(f"the value job's launch.value_nproc_per_node={la.value_nproc_per_node} ranks "
+                               + (f"beside the learner's {beside} " if beside else "")
+                               + f"exceed launch.gpus_per_node={la.gpus_per_node}: one rank per GPU; give it nodes "
+                               "of its own (launch.value_nnodes) or lower launch.value_nproc_per_node")  # fmt: skip
+    engine_nodes = list(nodes[first_engine : first_engine + la.rollout_nodes]) or [learner[0]]
+    worker_nodes = list(nodes[first_engine + la.rollout_nodes : need]) or engine_nodes
     if la.gpus_per_node and la.nproc_per_node > la.gpus_per_node:
         raise NodeMapError(f"launch.nproc_per_node={la.nproc_per_node} learner ranks per node exceed "
                            f"launch.gpus_per_node={la.gpus_per_node}: one rank per GPU; lower launch.nproc_per_node "
@@ -138,6 +158,9 @@ def plan(cfg: SAOConfig, nodes: list[Node]) -> NodeMap:
         bus_bind=bind,
         bus_connect=cfg.bus.connect or f"tcp://{learner[0].addr}:{port}",
         rdzv=f"{learner[0].addr}:{la.rdzv_port}",
+        value=value,
+        value_rdzv=f"{value[0].addr}:{la.rdzv_port + 1}" if value else None,
+        critic_bridge=f"tcp://{learner[0].addr}:{la.rdzv_port + 2}" if value else None,
     )
 
 

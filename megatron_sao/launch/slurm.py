@@ -3,6 +3,8 @@ step on the nodes the node map gives it, and watches them.
 
     engines        one step each; the launcher waits until every engine answers /health
     learner        one step over the learner nodes: torchrun per node, rendezvous on the first
+    value job      learner.value_on_separate_ranks: one step over its nodes (torchrun), bridged to the learner; the two
+                   are a pair: when one exits unexpectedly the other is stopped and both start again
     rollout workers one step each, once the engines hold the learner's weights (after a resume: its checkpoint's)
 Every step's output goes to <run_dir>/logs/<step>.log and, prefixed with [step], to the launcher's output. A step that
 exits unexpectedly is started again (launch.max_restarts per step; the learner resumes from its checkpoint, an
@@ -123,6 +125,7 @@ class SlurmRun:
         srun_args = list(cfg.launch.slurm.srun_args)
         self.engines = [Running(s, self.logs, srun_args) for s in steps if s.role == "engine"]
         (self.learner,) = [Running(s, self.logs, srun_args) for s in steps if s.role == "learner"]
+        self.critic = next((Running(s, self.logs, srun_args) for s in steps if s.role == "critic"), None)
         self.workers = [Running(s, self.logs, srun_args) for s in steps if s.role == "worker"]
         self.signum = 0
         from megatron_sao.run.learn import STOP_FILE
@@ -158,6 +161,8 @@ class SlurmRun:
             e.start()
         self._wait_engines_healthy()
         self.learner.start()
+        if self.critic is not None:
+            self.critic.start()
         self._wait_engines_at(self._resume_version())
         for w in self.workers:
             w.start()
@@ -185,9 +190,9 @@ class SlurmRun:
 
     def _resume_version(self) -> int:
         """The version the learner resumes at (its checkpoint's), 0 for a fresh run."""
-        from megatron_sao.run.learn import checkpoint_dir
+        from megatron_sao.run.learn import own_checkpoint_dir
 
-        latest = Path(self.cfg.learner.load or checkpoint_dir(self.cfg)) / "latest"
+        latest = Path(self.cfg.learner.load or own_checkpoint_dir(self.cfg)) / "latest"
         if not latest.is_file():
             return 0
         match = re.fullmatch(r"iter_(\d+)", latest.read_text().strip())
@@ -219,6 +224,16 @@ class SlurmRun:
             if self.signum:
                 return 0
             code = self.learner.exited()
+            if code is None and self.critic is not None and self.critic.exited() is not None:
+                # the learner cannot go on without its value job (nor checkpoint): stop it and start both again
+                print(f"[launch] the value job exited with {self.critic.exited()}; stopping the learner to start both "
+                      "again. Its log ends:\n" + "\n".join(self.critic.tail[-20:]), flush=True)  # fmt: skip
+                self.learner.signal(signal.SIGTERM)
+                code = self.learner.wait(30.0)
+                if code is None:
+                    self.learner.kill()
+                    code = self.learner.exited() or 1
+                code = code or 1  # an interrupted learner is a failed one here
             if code is not None:
                 if code == 0:
                     print("[launch] the learner finished", flush=True)
@@ -228,7 +243,7 @@ class SlurmRun:
                     print(f"[launch] the learner {why}; stopping the run. Its log ends:\n" +
                           "\n".join(self.learner.tail[-20:]), flush=True)  # fmt: skip
                     return 1 if code < 128 else code
-                self._restart(self.learner, code)
+                self._restart_learner(code)
             for r in (*self.engines, *self.workers):
                 code = r.exited()
                 if code is None or (r.step.role == "worker" and code == 0):
@@ -239,6 +254,17 @@ class SlurmRun:
                     return 1
                 self._restart(r, code)
             time.sleep(POLL_S)
+
+    def _restart_learner(self, code: int) -> None:
+        """The learner again, with a new value job beside it (the old one's bridge died with the learner)."""
+        if self.critic is not None:
+            self.critic.signal(signal.SIGTERM)
+            self.critic.signal(signal.SIGTERM)  # a second one: the value job holds the first for the learner
+            if self.critic.wait(30.0) is None:
+                self.critic.kill()
+        self._restart(self.learner, code)
+        if self.critic is not None:
+            self.critic.start()
 
     def _restart(self, r: Running, code: int) -> None:
         r.restarts += 1
@@ -257,6 +283,8 @@ class SlurmRun:
                 self.learner.signal(signal.SIGTERM)
                 if self.learner.wait(30.0) is None:
                     self.learner.kill()
+        if self.critic is not None and self.critic.wait(30.0) is None:  # the learner told it to stop, or is gone
+            self.critic.kill()
         rest = [*self.workers, *self.engines]
         for r in rest:
             r.signal(signal.SIGTERM)

@@ -1,6 +1,7 @@
-"""The srun steps of a run (launch.mode=slurm): one per engine, one per rollout worker, one for the learner (torchrun
-on every learner node), each the same `python -m megatron_sao ...` command local mode runs, plus the addresses the
-node map wires in as ordinary config overrides. Nothing Slurm-specific reaches a role but where it runs."""
+"""The srun steps of a run (launch.mode=slurm): one per engine, one per rollout worker, one for the learner (torchrun on
+every learner node), one for the value job of a critic on its own ranks (torchrun on its nodes), each the same
+`python -m megatron_sao ...` command local mode runs, plus the addresses the node map wires in as ordinary config
+overrides. Nothing Slurm-specific reaches a role but where it runs."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 @dataclass(frozen=True)
 class Step:
     name: str  # engine-0, learner, rollout-0: its log is <run_dir>/logs/<name>.log
-    role: str  # engine | learner | worker
+    role: str  # engine | learner | critic | worker
     nodes: tuple[str, ...]
     command: tuple[str, ...]  # what runs on each node
     env: dict[str, str] = field(default_factory=dict)  # set on top of the allocation's environment
@@ -42,7 +43,8 @@ def step_env() -> dict[str, str]:
 def build_steps(
     cfg: SAOConfig, config_path: str, overrides: list[str], nodes: NodeMap, python: str = sys.executable
 ) -> list[Step]:
-    """Every step of the run on `nodes`: engines first, then the learner, then the rollout workers."""
+    """Every step of the run on `nodes`: engines first, then the learner (and the value job), then the rollout
+    workers."""
     la, r = cfg.launch, cfg.rollout
     model = cfg.model.hf_path or ""
     urls = ",".join(nodes.engine_urls)
@@ -57,14 +59,15 @@ def build_steps(
         )  # fmt: skip
         for e in nodes.engines
     ]
-    rdzv_host, rdzv_port = nodes.rdzv.rsplit(":", 1)
-    torchrun = [
-        "bash", "-c", 'exec "$0" -m torch.distributed.run --node-rank="$SLURM_NODEID" "$@"', python,
-        f"--nnodes={la.nnodes}", f"--nproc-per-node={la.nproc_per_node}", f"--master-addr={rdzv_host}",
-        f"--master-port={rdzv_port}", "-m", "megatron_sao", "learn", config_path, "--engines", urls, *overrides,
-        "--bus.bind", nodes.bus_bind,
-    ]  # fmt: skip
+    learn = ["learn", config_path, "--engines", urls, *overrides, "--bus.bind", nodes.bus_bind]
+    if nodes.critic_bridge:
+        learn += ["--critic-bridge", nodes.critic_bridge]
+    torchrun = _torchrun(python, nodes.rdzv, la.nnodes, la.nproc_per_node, learn)
     steps.append(Step("learner", "learner", tuple(n.name for n in nodes.learner), tuple(torchrun), step_env()))
+    if nodes.value and nodes.value_rdzv and nodes.critic_bridge:
+        critic = ["critic", config_path, "--bridge", nodes.critic_bridge, *overrides]
+        cmd = _torchrun(python, nodes.value_rdzv, len(nodes.value), la.value_nproc_per_node, critic)
+        steps.append(Step("critic", "critic", tuple(n.name for n in nodes.value), tuple(cmd), step_env()))
     for w in nodes.workers:
         cmd = [python, "-m", "megatron_sao", "rollout", config_path, "--engines", urls, "--worker-id", w.worker_id,
                "--shard", f"{w.shard[0]}/{w.shard[1]}", *overrides, "--bus.connect", nodes.bus_connect]  # fmt: skip
@@ -72,10 +75,21 @@ def build_steps(
     return steps
 
 
+def _torchrun(python: str, rdzv: str, nnodes: int, nproc: int, command: list[str]) -> list[str]:
+    """torchrun on every node of a step (its node rank from Slurm), meeting at `rdzv` (host:port)."""
+    host, port = rdzv.rsplit(":", 1)
+    return ["bash", "-c", 'exec "$0" -m torch.distributed.run --node-rank="$SLURM_NODEID" "$@"', python,
+            f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", f"--master-addr={host}", f"--master-port={port}",
+            "-m", "megatron_sao", *command]  # fmt: skip
+
+
 def describe(nodes: NodeMap, steps: list[Step], srun_args: list[str]) -> str:
     """The node map and every step's srun command with its environment (the dry run's output)."""
     lines = ["node map:", nodes.table(), "", f"bus: learner binds {nodes.bus_bind}, workers connect to "
              f"{nodes.bus_connect}; torchrun rendezvous {nodes.rdzv}", ""]  # fmt: skip
+    if nodes.critic_bridge:
+        lines[-1:] = [f"value job: torchrun rendezvous {nodes.value_rdzv}, bridge to the learner {nodes.critic_bridge}",
+                      ""]  # fmt: skip
     for step in steps:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in step.env.items())
         lines.append(f"[{step.name}] env {env} \\\n    {shlex.join(step.srun(srun_args))}")

@@ -347,6 +347,7 @@ def load_checkpoint(learner: Learner, path: str | Path, load_optimizer: bool = T
     if learner.cfg.learner.value_on_separate_ranks and (role_dir(learner, path) / LATEST).is_file():
         path = role_dir(learner, path)  # the job's own directory under a shared save_dir
     path = intact_checkpoint(path)
+    learner.loaded_from = path
     try:
         saved = dist_checkpointing.load_common_state_dict(str(path))
     except Exception as e:  # pickle / EOF / decode errors name no file: this does

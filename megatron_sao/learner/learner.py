@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -92,8 +93,8 @@ class Learner:
 
     def __init__(self, cfg: SAOConfig, spec: ModelSpec | None = None, roles: Collection[str] | None = None) -> None:
         """`roles`: the models built on these ranks. Default both (the critic only for algo.name=sao); with
-        learner.value_on_separate_ranks the launcher starts a policy job and a value job and passes {"policy"} or
-        {"value"} to each."""
+        learner.value_on_separate_ranks the policy job (run/learn.py) builds {"policy"} and the value job
+        (run/critic.py) {"value"}."""
         roles = self._roles(cfg, roles)
         check_learner_parallelism(cfg.parallel)
         self.cfg = cfg
@@ -121,6 +122,8 @@ class Learner:
         self.version = 0
         """Policy weight version: the number of policy optimizer steps taken (engines tag tokens with it)."""
         self.trajectories_trained = 0
+        self.loaded_from: Path | None = None
+        """The checkpoint directory the last load_checkpoint restored (after a fall-back: the one it fell back to)."""
         self.value_head_fitted = False
         """Whether the critic's head bias was set from a first batch (_fit_value_bias); checkpointed. A head loaded
         fresh (HF weights, a weights-only checkpoint) is not."""
@@ -139,8 +142,7 @@ class Learner:
             if cfg.learner.value_on_separate_ranks:
                 raise ValueError(
                     "learner.value_on_separate_ranks=true: this learner needs roles={'policy'} or roles={'value'} "
-                    "(one per job; the run loop does not start the two jobs yet), or set "
-                    "learner.value_on_separate_ranks=false"
+                    "(one per job: run/learn.py and run/critic.py), or set learner.value_on_separate_ranks=false"
                 )
             return wanted
         roles = set(roles)
@@ -192,12 +194,14 @@ class Learner:
         self,
         trajectories: Sequence[Trajectory],
         publish: Callable[[dict[str, np.ndarray]], None] | None = None,
+        update_version: bool = True,
     ) -> dict[str, float]:
         """Value job: advantages from the values before this step, then K critic updates.
 
         `publish(advantages_by_id)` is called on every rank right after the advantages exist and before the
         critic updates, so the policy job can update while the critic trains: float32 [T - 1] per trajectory
         (shifted layout), filled on the ranks that hold them (last stage, TP rank 0), {} elsewhere.
+        `update_version=False` (value pre-training): no policy step follows, the version stays.
         """
         if self.value is None:
             raise ValueError("critic_step needs the value role on this learner (roles={'value'} and algo.name=sao)")
@@ -207,14 +211,14 @@ class Learner:
                 publish({})
             return plan or {}
         self._critic_updates(plan, publish)
-        self.version += 1
+        self.version += int(update_version)
         plan.metrics["step/version"] = float(self.version)
         return plan.metrics
 
     def policy_step(self, trajectories: Sequence[Trajectory], advantages: dict[str, np.ndarray]) -> dict[str, float]:
         """Policy job: one policy update with advantages computed by the value job (by trajectory id; every rank
-        of the last pipeline stage needs those of its data-parallel shard, e.g. all of them via
-        advantage_channel.broadcast_from_rank0)."""
+        of the last pipeline stage needs those of its data-parallel shard: run/critic.py gives every rank all of
+        them)."""
         if self.policy is None:
             raise ValueError("policy_step needs the policy role on this learner (roles={'policy'})")
         plan = self._plan(trajectories)

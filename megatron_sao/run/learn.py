@@ -60,14 +60,20 @@ def checkpoint_dir(cfg: SAOConfig) -> Path:
     return Path(cfg.learner.save_dir or Path(cfg.launch.run_dir) / "checkpoints")
 
 
+def own_checkpoint_dir(cfg: SAOConfig) -> Path:
+    """Where this learner's `latest` lives: checkpoint_dir, or its `policy` subdirectory for a policy job beside a
+    value job (learner.value_on_separate_ranks; the value job's is `value`)."""
+    return checkpoint_dir(cfg) / "policy" if cfg.learner.value_on_separate_ranks else checkpoint_dir(cfg)
+
+
 def _resume_path(cfg: SAOConfig) -> Path | None:
+    """learner.load, else own_checkpoint_dir when it names a latest checkpoint."""
     from megatron_sao.learner.checkpoint import LATEST
 
     if cfg.learner.load:
         return Path(cfg.learner.load)
-    if (checkpoint_dir(cfg) / LATEST).is_file():
-        return checkpoint_dir(cfg)
-    return None
+    own = own_checkpoint_dir(cfg)
+    return own if (own / LATEST).is_file() else None
 
 
 def _share(obj: Any) -> Any:
@@ -204,26 +210,76 @@ def _progress(batch: Sequence[Trajectory], metrics: dict[str, Any], max_steps: i
     return " | ".join(parts)
 
 
+class Steps:
+    """The two halves of a step where they run: in this learner (the critic on the same ranks, one after the other),
+    or the critic in its own job (run/critic.py), whose K updates run while this job updates the policy and pushes.
+    Collective over the learner."""
+
+    def __init__(self, learner: Any, critic: Any = None) -> None:
+        self.learner, self.critic = learner, critic  # critic: run.critic.RemoteCritic or None
+        self._policy_done = 0.0
+
+    def critic_only(self, batch: Sequence[Trajectory]) -> dict[str, float]:
+        """A value pre-training step: K critic updates, no policy update."""
+        if self.critic is None:
+            return self.learner.train_step(batch, update_policy=False)
+        self.critic.submit(batch, self.learner.version, pretrain=True)
+        return self.critic.metrics()
+
+    def train(self, batch: Sequence[Trajectory]) -> dict[str, float]:
+        """K critic updates and one policy update (version += 1); returns once the policy is updated."""
+        if self.critic is None:
+            return self.learner.train_step(batch)
+        t0 = time.monotonic()
+        self.critic.submit(batch, self.learner.version)
+        advantages = self.critic.advantages()
+        t1 = time.monotonic()
+        metrics = self.learner.policy_step(batch, advantages)
+        self._policy_done = time.monotonic()
+        return {**metrics, "time/critic_wait": t1 - t0, "time/policy": self._policy_done - t1}
+
+    def finish(self) -> dict[str, float]:
+        """The critic's metrics of the last step, once its updates are done (here: already in train's)."""
+        if self.critic is None:
+            return {}
+        metrics = self.critic.metrics()
+        return {**metrics, "time/critic_tail": time.monotonic() - self._policy_done}
+
+
 class _Run:
     """What the loop carries: the learner, the bus, the engines, the log, the checkpoint bookkeeping (all ranks)."""
 
-    def __init__(self, cfg: SAOConfig, engine_urls: list[str]) -> None:
+    def __init__(self, cfg: SAOConfig, engine_urls: list[str], critic_bridge: str | None = None) -> None:
         from megatron_sao.bus import TrajectoryReceiver
         from megatron_sao.learner.checkpoint import load_checkpoint
         from megatron_sao.learner.learner import Learner
 
         self.cfg = cfg
         self.rank0 = dist.get_rank() == 0
-        self.learner = learner = Learner(cfg)
+        separate = cfg.learner.value_on_separate_ranks
+        if separate and not critic_bridge:
+            raise ValueError("learner.value_on_separate_ranks=true: the learner (the policy job) needs the value job's "
+                             "bridge address (--critic-bridge tcp://HOST:PORT; `run` starts the value job and passes "
+                             "it), or set learner.value_on_separate_ranks=false")  # fmt: skip
+        self.learner = learner = Learner(cfg, roles={"policy"} if separate else None)
+        self.critic = None
+        if separate:
+            from megatron_sao.run.critic import RemoteCritic
+
+            assert critic_bridge is not None
+            self.critic = RemoteCritic(cfg, critic_bridge)
         self.resume = _resume_path(cfg)
         extra: dict[str, Any] = {}
         if self.resume is not None:
             extra = load_checkpoint(learner, self.resume)
-            log.info("resumed from %s at version %d", self.resume, learner.version)
+            log.info("resumed from %s at version %d", learner.loaded_from, learner.version)
         elif cfg.model.hf_path:
             learner.load_hf(cfg.model.hf_path)
         else:
             raise ValueError("model.hf_path is not set and there is no checkpoint to resume: set model.hf_path")
+        if self.critic is not None:  # the value job loads the critic of the same step
+            self.critic.begin(learner.loaded_from if self.resume is not None else None)
+        self.steps = Steps(learner, self.critic)
         self.pretrain = ValuePretraining(cfg.algo, extra.get("pretrain"), learner.version, cfg.bus, cfg.learner.seed)
         self.run_dir = Path(cfg.launch.run_dir)
         self.save_dir = str(checkpoint_dir(cfg))
@@ -243,7 +299,7 @@ class _Run:
                                                   "tokens": 0}  # fmt: skip
         self.engines = EngineWeights(learner, self.sync, cfg.weight_sync, deferred=cfg.algo.name == "grpo_async")
         self.saved_at: tuple[int, int] | None = (learner.version, self.pretrain.steps) if self.resume else None
-        self.steps = 0
+        self.step_count = 0
         self.stop = StopSignal(self.run_dir / STOP_FILE if self.rank0 else None)
         self.stopped = 0  # the signal all ranks agreed to stop on
 
@@ -270,12 +326,15 @@ class _Run:
         if at == self.saved_at or not (force or count % self.cfg.learner.save_interval == 0):
             return 0.0
         t0 = time.monotonic()
-        tag = f"pretrain_{self.pretrain.steps:07d}" if self.learner.version == 0 and self.pretrain.steps else None
+        pretraining = self.learner.version == 0 and self.pretrain.steps
+        name = f"pretrain_{self.pretrain.steps:07d}" if pretraining else f"iter_{self.learner.version:07d}"
         bus_state = _share(self.receiver.state_dict() if self.receiver is not None else None)
         held = _share(self.batches.held_frames() if self.batches is not None else None)  # committed with the bus
         extra = {"bus": bus_state, "pretrain": self.pretrain.state_dict(), "counters": dict(self.counters),
                  "held": held}  # fmt: skip
-        path = save_checkpoint(self.learner, self.save_dir, extra=extra, tag=tag)
+        if self.critic is not None:  # first: a policy checkpoint then always has the critic of its step
+            self.critic.save(name)
+        path = save_checkpoint(self.learner, self.save_dir, extra=extra, tag=name)
         if self.ledger is not None and self.batches is not None:
             self.ledger.held([t.header.trajectory_id for t in self.batches.held], self.learner.version,
                              self.pretrain.steps)  # fmt: skip
@@ -315,6 +374,8 @@ class _Run:
                                     "weight_version": self.learner.version, **pushed})  # fmt: skip
 
     def close(self) -> None:
+        if self.critic is not None:
+            self.critic.close()
         if self.sync is not None:
             try:
                 self.sync.close()
@@ -330,19 +391,25 @@ class _Run:
             self.display.close()
 
 
-def learn(cfg: SAOConfig, engine_urls: list[str], on_ready: Callable[[], None] | None = None) -> dict[str, Any]:
+def learn(
+    cfg: SAOConfig,
+    engine_urls: list[str],
+    on_ready: Callable[[], None] | None = None,
+    critic_bridge: str | None = None,
+) -> dict[str, Any]:
     """Train until learner.max_steps policy versions; returns rank 0's summary (final version, steps, paths).
 
     `on_ready` runs on rank 0 once the receiver listens and the engines hold the learner's weights (after a resume:
     once they were pushed), before the first trajectory is taken: run/local.py starts the rollout worker there, so
-    no token is generated with weights the learner never had."""
+    no token is generated with weights the learner never had. `critic_bridge` (learner.value_on_separate_ranks): the
+    address this job hosts the bridge to the value job on (run/critic.py)."""
     from megatron_sao.distributed.bootstrap import destroy_distributed, init_distributed
 
     init_distributed(cfg.parallel, seed=cfg.learner.seed)
     if not engine_urls and dist.get_rank() == 0:
         log.warning("no engine URLs (--engines / rollout.engine_urls): the engines never get the trained weights; "
                     "every trajectory will be generated by the initial policy")  # fmt: skip
-    run = _Run(cfg, engine_urls)
+    run = _Run(cfg, engine_urls, critic_bridge)
     learner, engines, max_steps = run.learner, run.engines, cfg.learner.max_steps
     run.stop.install()
     try:
@@ -364,9 +431,9 @@ def learn(cfg: SAOConfig, engine_urls: list[str], on_ready: Callable[[], None] |
                 continue
             if run.pretrain.active:  # the critic learns the initial policy's returns; the policy waits
                 critic_steps = run.pretrain.batches(batch)  # the new batch first: its metrics are honest
-                metrics = learner.train_step(critic_steps[0], update_policy=False)
+                metrics = run.steps.critic_only(critic_steps[0])
                 for more in critic_steps[1:]:
-                    learner.train_step(more, update_policy=False)
+                    run.steps.critic_only(more)
                 metrics["pretrain/critic_steps"] = float(len(critic_steps))
                 run.pretrain.record(len(batch), metrics)
                 metrics.update(run.pretrain.metrics())
@@ -379,14 +446,15 @@ def learn(cfg: SAOConfig, engine_urls: list[str], on_ready: Callable[[], None] |
                 t0 = time.monotonic()
                 pushed = engines.push("deferred")
                 times["time/sync"] += time.monotonic() - t0
-            metrics = learner.train_step(batch)
-            run.steps += 1
+            metrics = run.steps.train(batch)  # the critic on its own ranks may still be training: finish() below
+            run.step_count += 1
             metrics.update(pushed)
             reason = engines.due()  # a skipped step (nothing trainable) leaves the version: nothing to push or save
             if reason:
                 t0 = time.monotonic()
                 metrics.update(engines.push(reason))
                 times["time/sync"] += time.monotonic() - t0
+            metrics = {**run.steps.finish(), **metrics}
             times["time/checkpoint"] = run.save(force=learner.version >= max_steps)
             times["time/step"] = time.monotonic() - t_wait
             record = run.record(batch, metrics, times)
@@ -400,8 +468,9 @@ def learn(cfg: SAOConfig, engine_urls: list[str], on_ready: Callable[[], None] |
     finally:
         run.stop.restore()
         run.close()
-    summary = {"version": learner.version, "steps": run.steps, "save_dir": run.save_dir, "run_dir": str(run.run_dir),
-               "stopped": signal.Signals(run.stopped).name if run.stopped else None}  # fmt: skip
+    stopped = signal.Signals(run.stopped).name if run.stopped else None
+    summary = {"version": learner.version, "steps": run.step_count, "save_dir": run.save_dir,
+               "run_dir": str(run.run_dir), "stopped": stopped}  # fmt: skip
     destroy_distributed()
     return summary
 

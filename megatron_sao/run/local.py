@@ -3,6 +3,8 @@
     engines        rollout.num_engines processes (embedded CPU engine, or SGLang servers), or rollout.engine_urls
     rollout worker one `python -m megatron_sao rollout` process pushing onto the bus
     learner        this process (one rank), or torchrun with launch.nproc_per_node ranks
+    value job      learner.value_on_separate_ranks: `python -m megatron_sao critic` (torchrun with
+                   launch.value_nproc_per_node ranks when more than one), bridged to the learner on a free port
 Logs of the child processes go to <run_dir>/logs/. Whatever happens, the children are stopped on the way out.
 Running it again with the same run_dir resumes: the learner from save_dir/latest (with the bus state), the
 rollout worker from its prompt cursor.
@@ -54,6 +56,7 @@ def run_local(cfg: SAOConfig, config_path: str, overrides: list[str]) -> dict[st
     procs: list[engines.EngineProcess] = []
     workers: list[subprocess.Popen[bytes]] = []
     supervisor: Supervisor | None = None
+    value_job: subprocess.Popen[bytes] | None = None
     try:
         commands = engines.engine_commands(cfg.rollout, cfg.model.hf_path, cfg.launch.gpus_per_node)
         urls = list(cfg.rollout.engine_urls) or [url for url, _ in commands]
@@ -73,13 +76,21 @@ def run_local(cfg: SAOConfig, config_path: str, overrides: list[str]) -> dict[st
 
         supervisor = Supervisor(procs, dict(commands), workers, start_worker, logs, cfg.launch.max_restarts)
         supervisor.start()
+        bridge = None
+        if cfg.learner.value_on_separate_ranks:
+            from megatron_sao.distributed.spawn import find_free_port
+
+            bridge = f"tcp://127.0.0.1:{find_free_port()}"
+            value_job = _start_value_job(cfg, config_path, overrides, bridge, logs)
         if cfg.launch.learner_world_size > 1:
             first_worker()  # torchrun's ranks resume and push on their own; tokens before that are just stale
-            return _torchrun_learner(cfg, config_path, overrides, urls, logs)
+            return _torchrun_learner(cfg, config_path, overrides, urls, logs, bridge)
         from megatron_sao.run.learn import learn
 
-        return learn(cfg, urls, on_ready=first_worker)
+        return learn(cfg, urls, on_ready=first_worker, critic_bridge=bridge)
     finally:
+        if value_job is not None:
+            _stop_value_job(value_job)
         if supervisor is not None:
             supervisor.stop.set()
             supervisor.join(10)
@@ -180,12 +191,38 @@ class Supervisor(threading.Thread):
         return True
 
 
+def _start_value_job(
+    cfg: SAOConfig, config_path: str, overrides: list[str], bridge: str, logs: Path
+) -> subprocess.Popen[bytes]:
+    """The value job (learner.value_on_separate_ranks), logging to <run_dir>/logs/critic.log; it joins the learner's
+    bridge once the learner is up, and exits when the learner tells it to."""
+    n = cfg.launch.value_world_size
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"] if n > 1 else \
+        [sys.executable]  # fmt: skip
+    cmd = [*launcher, "-m", "megatron_sao", "critic", config_path, "--bridge", bridge, *overrides]
+    print(f"[run] value job: {n} rank(s) beside the learner (log: {logs / 'critic.log'})", flush=True)
+    with open(logs / "critic.log", "ab") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_child_env())
+
+
+def _stop_value_job(proc: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:
+    """The learner told it to stop (or is gone, which ends it too): wait, then make sure."""
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        log.error("the value job did not exit %.0f s after the learner; killing it", grace_s)
+        proc.kill()
+        proc.wait()
+
+
 def _torchrun_learner(
-    cfg: SAOConfig, config_path: str, overrides: list[str], urls: list[str], logs: Path
+    cfg: SAOConfig, config_path: str, overrides: list[str], urls: list[str], logs: Path, bridge: str | None = None
 ) -> dict[str, Any]:
     n = cfg.launch.nproc_per_node
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            "-m", "megatron_sao", "learn", config_path, "--engines", ",".join(urls), *overrides]  # fmt: skip
+    if bridge is not None:
+        cmd += ["--critic-bridge", bridge]
     print(f"[run] learner: torchrun with {n} ranks (rank logs: {logs})", flush=True)
     t0 = time.monotonic()
     rc = subprocess.call(cmd, env=_child_env())

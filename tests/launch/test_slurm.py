@@ -98,6 +98,30 @@ def test_submit_runs_every_role_on_its_own_node(cluster: dict[str, str], model: 
     assert_ledger_ok(run_dir)
 
 
+def test_a_critic_on_its_own_ranks_trains_beside_the_learner(
+    cluster: dict[str, str], model: Path, tmp_path: Path
+) -> None:
+    """learner.value_on_separate_ranks: the value job is a step of its own (here on the learner's node), bridged to
+    the learner; pre-training and the policy steps go through it, each job checkpoints its half."""
+    run_dir = tmp_path / "run"
+    args = [*_args(model, run_dir, 3), "--learner.value_on_separate_ranks", "true", "--algo.value.pretrain_samples",
+            "8", "--algo.value.pretrain_plateau_steps", "0"]  # fmt: skip
+    job, code, said = _submit(cluster, args, wait=True)
+    out = _output(run_dir, job)
+    assert code == 0, said + out[-4000:]
+    assert re.search(r"n1 +127\.0\.0\.1 +learner, value job\n", out), out[-4000:]
+    assert "[launch] the learner finished" in out and "[critic]" in out
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["weight_version"] for r in _steps(run_dir)] == [0, 1, 2, 3]  # a pre-training step, then three
+    for r in _steps(run_dir)[1:]:
+        assert {"loss/policy", "loss/value", "time/critic", "time/critic_wait"} <= set(r) and r["sync/failed"] == 0
+    assert sum("pretrain/samples" in r for r in records) == 1
+    for job_dir in ("policy", "value"):
+        assert (run_dir / "checkpoints" / job_dir / "latest").read_text().strip() == "iter_0000003"
+    assert (run_dir / "logs" / "critic.log").stat().st_size > 0
+    assert_ledger_ok(run_dir)
+
+
 def test_scancel_checkpoints_and_a_resubmission_resumes(cluster: dict[str, str], model: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = _args(model, run_dir, 400)
@@ -116,7 +140,7 @@ def test_scancel_checkpoints_and_a_resubmission_resumes(cluster: dict[str, str],
     job2, code, said = _submit(cluster, args, wait=True)
     out2 = _output(run_dir, job2)
     assert code == 0, said + out2[-4000:]
-    assert f"resumed from {run_dir / 'checkpoints'} at version {last}" in out2
+    assert f"resumed from {run_dir / 'checkpoints' / f'iter_{last:07d}'} at version {last}" in out2
     assert f"waiting for the learner to push version {last}" in out2
     assert [r["weight_version"] for r in _steps(run_dir)][-3:] == [last, last + 1, last + 2]
     assert_ledger_ok(run_dir)  # across scancel and the resubmission

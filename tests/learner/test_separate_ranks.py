@@ -1,9 +1,9 @@
-"""A critic on its own ranks (learner.value_on_separate_ranks): a value job and a policy job exchanging advantages
-over the advantage channel update every parameter exactly as one learner holding both models."""
+"""A critic on its own ranks (learner.value_on_separate_ranks): a value job (run/critic.py, its own world and layout)
+and a policy job bridged over torch.distributed update every parameter as one learner holding both models, report
+the same losses, and checkpoint each its own half of the same step."""
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
@@ -12,71 +12,78 @@ from megatron_sao.distributed import find_free_port, spawn_ranks
 from megatron_sao.learner.synthetic import make_batch
 from tests.learner.test_learner_step import _assembled, _compare, _one_step_per_layout, learner_config, on_policy
 
-
-def _saved_and_reloaded(learner, save_dir: str | None) -> str | None:
-    """Each job saves under the shared save_dir (into its own role directory) and loads its checkpoint back."""
-    from megatron_sao.learner.checkpoint import load_checkpoint, save_checkpoint
-
-    if save_dir is None:
-        return None
-    path = save_checkpoint(learner, save_dir, extra={"job": learner.policy is not None})
-    learner.version = 0
-    assert load_checkpoint(learner, save_dir) == {"job": learner.policy is not None}
-    assert learner.version == 1
-    return str(path)
+TOLERANCE = 1e-6
+"""fp32: the separate jobs run the same arithmetic as one learner; only the reduction order over ranks differs."""
 
 
-def _job(role: str, hf_dir: str, trajectories, address: str, layout: dict, save_dir: str | None = None) -> dict:
+def _cfg(hf_dir: str, policy_layout: dict, value_layout: dict, policy_ranks: int, value_ranks: int, save_dir=None):
+    from megatron_sao.config.parallel import ParallelConfig
+
+    cfg = learner_config(hf_dir, policy_layout, policy_ranks)
+    cfg.learner.value_on_separate_ranks = True
+    cfg.learner.value_parallel = ParallelConfig(**value_layout)
+    cfg.launch.value_nproc_per_node = value_ranks
+    cfg.learner.save_dir = save_dir
+    return cfg
+
+
+def _policy_job(hf_dir, trajectories, address, layouts, ranks, save_dir):
     import torch.distributed as dist
 
     from megatron_sao.distributed import init_distributed
-    from megatron_sao.learner.advantage_channel import (
-        AdvantageReceiver,
-        AdvantageSender,
-        broadcast_from_rank0,
-        gather_to_rank0,
-    )
+    from megatron_sao.learner.checkpoint import save_checkpoint
     from megatron_sao.learner.learner import Learner
     from megatron_sao.models.shards import local_shards
+    from megatron_sao.run.critic import RemoteCritic
+    from megatron_sao.run.learn import Steps
 
-    cfg = learner_config(hf_dir, layout, int(os.environ["WORLD_SIZE"]))
-    cfg.learner.value_on_separate_ranks = True
+    cfg = _cfg(hf_dir, *layouts, *ranks, save_dir)
     init_distributed(cfg.parallel, seed=5)
-    learner = Learner(cfg, roles={role})
+    learner = Learner(cfg, roles={"policy"})
     learner.load_hf(hf_dir)
-    rank0 = dist.get_rank() == 0
-    if role == "value":
-        sender = AdvantageSender(address) if rank0 else None
-
-        def publish(local):
-            merged = gather_to_rank0(local)
-            if sender is not None:
-                sender.send(1, merged)
-
-        metrics = learner.critic_step(trajectories, publish)
-        if sender is not None:
-            sender.close()
-        saved = _saved_and_reloaded(learner, save_dir)
-        return {"value": local_shards(learner.value.model), "metrics": metrics, "saved": saved}
-    receiver = AdvantageReceiver(address) if rank0 else None
-    advantages = broadcast_from_rank0(receiver.recv(1, timeout_s=240) if receiver else None)
-    metrics = learner.policy_step(trajectories, advantages)
-    if receiver is not None:
-        receiver.close()
-    saved = _saved_and_reloaded(learner, save_dir)
-    return {"policy": local_shards(learner.policy.model), "metrics": metrics, "saved": saved}
+    critic = RemoteCritic(cfg, address)
+    assert critic.begin(None) == 0
+    steps = Steps(learner, critic)
+    metrics = steps.train(trajectories)
+    metrics = {**steps.finish(), **metrics}
+    saved = None
+    if save_dir is not None:
+        value_path = critic.save("iter_0000001")
+        saved = (value_path, str(save_checkpoint(learner, save_dir, tag="iter_0000001")))
+    critic.close()
+    return {"x": {"policy": local_shards(learner.policy.model)}, "metrics": metrics, "saved": saved,
+            "world": dist.get_world_size()}  # fmt: skip
 
 
-def _run_jobs(
-    hf_dir: str, trajectories, ranks: int, layout: dict, save_dir: str | None = None
-) -> tuple[list[dict], list[dict]]:
+def _value_job(hf_dir, address, layouts, ranks, save_dir):
+    import torch.distributed as dist
+
+    from megatron_sao.models.shards import local_shards
+    from megatron_sao.run.critic import ValueJob
+
+    job = ValueJob.start(_cfg(hf_dir, *layouts, *ranks, save_dir), address)
+    try:
+        job.serve()
+        from megatron.core import parallel_state as ps
+
+        return {"x": {"value": local_shards(job.learner.value.model)}, "world": dist.get_world_size(),
+                "tp": ps.get_tensor_model_parallel_world_size()}  # fmt: skip
+    finally:
+        job.close()
+
+
+def _run_jobs(hf_dir, trajectories, layouts, ranks, save_dir=None):
     address = f"tcp://127.0.0.1:{find_free_port()}"
     out: dict[str, list[dict]] = {}
 
-    def run(role: str) -> None:
-        out[role] = spawn_ranks(_job, ranks, role, hf_dir, trajectories, address, layout, save_dir, timeout_s=400)
+    def policy() -> None:
+        out["policy"] = spawn_ranks(_policy_job, ranks[0], hf_dir, trajectories, address, layouts, ranks, save_dir,
+                                    timeout_s=400)  # fmt: skip
 
-    threads = [threading.Thread(target=run, args=(role,)) for role in ("policy", "value")]
+    def value() -> None:
+        out["value"] = spawn_ranks(_value_job, ranks[1], hf_dir, address, layouts, ranks, save_dir, timeout_s=400)
+
+    threads = [threading.Thread(target=f) for f in (policy, value)]
     for t in threads:
         t.start()
     for t in threads:
@@ -86,29 +93,46 @@ def _run_jobs(
 
 
 @pytest.mark.multiproc
-def test_value_job_and_policy_job_update_like_one_learner(tiny_hf_dir, tmp_path):
+def test_a_critic_on_its_own_ranks_updates_like_one_learner_holding_both(tiny_hf_dir, tmp_path):
+    """3 ranks: a policy job at TP=2 and a value job of one rank (its own layout) match one serial learner."""
     hf_dir = str(tiny_hf_dir("qwen3_moe"))
     trajectories = on_policy(make_batch(6, seed=3), hf_dir)
+    for i, t in enumerate(trajectories):  # varied rewards: the critic's bias and the advantages carry information
+        t.header = type(t.header)(**{**_fields(t.header), "reward": [0.0, 1.0, 0.5, 1.0, 0.0, 0.25][i]})
     ref = spawn_ranks(_one_step_per_layout, 1, hf_dir, trajectories, {"single": {}}, "fp32", timeout_s=300)
-    policy, value = _run_jobs(hf_dir, trajectories, 1, {}, str(tmp_path / "ckpt"))
-    # both jobs are at version 1 and share learner.save_dir: each saves into its own role directory
-    assert policy[0]["saved"] == str(tmp_path / "ckpt" / "policy" / "iter_0000001")
-    assert value[0]["saved"] == str(tmp_path / "ckpt" / "value" / "iter_0000001")
-    _compare(_assembled(ref, "single", "policy"), _assembled([{"x": p} for p in policy], "x", "policy"), 1e-6)
-    _compare(_assembled(ref, "single", "value"), _assembled([{"x": v} for v in value], "x", "value"), 1e-6)
-    assert value[0]["metrics"]["value/updates"] == 2.0
-    assert policy[0]["metrics"]["dis/masked_frac"] == pytest.approx(ref[0]["single"]["metrics"]["dis/masked_frac"])
+    save_dir = str(tmp_path / "ckpt")
+    policy, value = _run_jobs(hf_dir, trajectories, ({"tensor": 2}, {}), (2, 1), save_dir)
+    assert policy[0]["world"] == 2 and value[0]["world"] == 1 and value[0]["tp"] == 1
+    _compare(_assembled(ref, "single", "policy"), _assembled(policy, "x", "policy"), TOLERANCE)
+    _compare(_assembled(ref, "single", "value"), _assembled(value, "x", "value"), TOLERANCE)
+    serial, separate = ref[0]["single"]["metrics"], policy[0]["metrics"]
+    for key in ("loss/policy", "loss/value", "loss/value_first", "value/explained_variance", "dis/masked_frac",
+                "gae/advantages_mean", "policy/grad_norm", "value/grad_norm"):  # fmt: skip
+        assert separate[key] == pytest.approx(serial[key], abs=TOLERANCE, rel=1e-5), key
+    assert separate["value/updates"] == 2.0 and separate["step/version"] == 1.0
+    assert separate["time/critic_wait"] > 0 and "time/critic_tail" in separate
+    # each job checkpoints its own half of the step under the shared save_dir
+    value_path, policy_path = policy[0]["saved"]
+    assert value_path == str(tmp_path / "ckpt" / "value" / "iter_0000001")
+    assert policy_path == str(tmp_path / "ckpt" / "policy" / "iter_0000001")
 
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_separate_jobs_at_two_ranks_each(tiny_hf_dir):
+def test_a_value_job_at_tensor_parallel_two_beside_a_one_rank_policy(tiny_hf_dir):
     hf_dir = str(tiny_hf_dir("qwen3_moe"))
     trajectories = on_policy(make_batch(6, seed=4), hf_dir)
     ref = spawn_ranks(_one_step_per_layout, 1, hf_dir, trajectories, {"single": {}}, "fp32", timeout_s=300)
-    policy, value = _run_jobs(hf_dir, trajectories, 2, {"tensor": 2})
-    _compare(_assembled(ref, "single", "policy"), _assembled([{"x": p} for p in policy], "x", "policy"), 1e-6)
-    _compare(_assembled(ref, "single", "value"), _assembled([{"x": v} for v in value], "x", "value"), 1e-6)
+    policy, value = _run_jobs(hf_dir, trajectories, ({}, {"tensor": 2}), (1, 2))
+    assert value[0]["tp"] == 2
+    _compare(_assembled(ref, "single", "policy"), _assembled(policy, "x", "policy"), TOLERANCE)
+    _compare(_assembled(ref, "single", "value"), _assembled(value, "x", "value"), TOLERANCE)
+
+
+def _fields(header):
+    import msgspec
+
+    return msgspec.structs.asdict(header)
 
 
 def test_separate_ranks_need_an_explicit_role(tiny_hf_dir):
@@ -121,6 +145,32 @@ def test_separate_ranks_need_an_explicit_role(tiny_hf_dir):
     with pytest.raises(ValueError, match="subset"):
         Learner._roles(cfg, {"critic"})
     assert Learner._roles(cfg, {"value"}) == {"value"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--learner.value_parallel.tensor", "2"], "learner.value_on_separate_ranks=false"),
+        (
+            [
+                "--learner.value_on_separate_ranks",
+                "true",
+                "--algo.name",
+                "grpo",
+                "--learner.trajectories_per_step",
+                "16",
+            ],
+            "has no critic",
+        ),
+        (["--learner.value_on_separate_ranks", "true", "--learner.value_parallel.tensor", "2"], "the value job"),
+        (["--learner.value_on_separate_ranks", "true", "--launch.value_nnodes", "1"], "launch.value_nnodes"),
+    ],
+)
+def test_separate_critic_configs_that_cannot_work_are_refused(overrides, message):
+    from megatron_sao.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,9 @@ REPO = Path(__file__).resolve().parents[2]
 STYLE_SCHEDULE = {"styles": ["cute", "chuunibyou", "classical"], "period": 2}  # versions 0-1 cute, 2-3 chuunibyou, ...
 
 
-def _run(hf_dir: Path, run_dir: Path, ports: dict[str, int], max_steps: int) -> subprocess.CompletedProcess[str]:
+def _run(
+    hf_dir: Path, run_dir: Path, ports: dict[str, int], max_steps: int, extra: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
     cmd = [
         sys.executable, "-m", "megatron_sao", "run", str(REPO / "examples" / "tiny_cpu" / "config.yaml"),
         "--model.hf_path", str(hf_dir), "--launch.run_dir", str(run_dir),
@@ -32,6 +34,7 @@ def _run(hf_dir: Path, run_dir: Path, ports: dict[str, int], max_steps: int) -> 
         "--rollout.concurrency", "4", "--rollout.sampling.max_new_tokens", "12", "--rollout.max_turns", "2",
         "--rollout.base_port", str(ports["engine"]), "--bus.bind", f"tcp://127.0.0.1:{ports['bus']}",
         "--weight_sync.master_port", str(ports["sync"]), "--rollout.env.options", json.dumps(STYLE_SCHEDULE),
+        *extra,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
@@ -78,6 +81,38 @@ def test_run_trains_syncs_and_resumes(tiny_hf_dir: Any, tmp_path: Path) -> None:
         assert e["metadata"]["style"] == styles[(e["versions"][1] // STYLE_SCHEDULE["period"]) % 3], e
     assert {e["metadata"]["style"] for e in produced} == set(styles)  # 22 versions: every style came round
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter_0000024"
+    assert_ledger_ok(run_dir)
+
+
+@pytest.mark.multiproc
+def test_run_with_the_critic_on_its_own_ranks_pretrains_trains_and_resumes(tiny_hf_dir: Any, tmp_path: Path) -> None:
+    hf_dir = tiny_hf_dir("qwen3_moe")
+    run_dir = tmp_path / "run"
+    separate = ("--learner.value_on_separate_ranks", "true", "--algo.value.pretrain_samples", "4",
+                "--algo.value.pretrain_plateau_steps", "0")  # fmt: skip
+    ports = {"engine": find_free_port(), "bus": find_free_port(), "sync": find_free_port()}
+    first = _run(hf_dir, run_dir, ports, max_steps=2, extra=separate)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "value job: 1 rank(s)" in first.stdout and "[learner] step 2/2" in first.stdout
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    pretrain, *steps = [r for r in records if "step/trajectories" in r]
+    assert pretrain["pretrain/done"] == 1.0 and pretrain["weight_version"] == 0 and "loss/policy" not in pretrain
+    assert [r["weight_version"] for r in steps] == [1, 2]
+    for r in steps:  # the policy's and the value job's halves of each step in one record
+        assert {"loss/policy", "loss/value", "value/explained_variance", "time/critic", "time/critic_wait"} <= set(r)
+    checkpoints = run_dir / "checkpoints"
+    assert (checkpoints / "policy" / "latest").read_text().strip() == "iter_0000002"
+    assert (checkpoints / "value" / "iter_0000002" / "metadata.json").is_file()
+    assert (checkpoints / "value" / "pretrain_0000001" / "metadata.json").is_file()
+
+    ports = {"engine": find_free_port(), "bus": find_free_port(), "sync": find_free_port()}
+    second = _run(hf_dir, run_dir, ports, max_steps=4, extra=separate)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "[learner] step 4/4" in second.stdout and "[learner] value pre-training" not in second.stdout
+    log = (run_dir / "logs" / "critic.log").read_text()
+    assert log.count("bridge sao_critic_bridge") == 2  # a value job per run
+    assert log.count("bias set to") == 1, "the resumed value job set its head again instead of loading it"
+    assert (checkpoints / "value" / "latest").read_text().strip() == "iter_0000004"
     assert_ledger_ok(run_dir)
 
 
