@@ -6,6 +6,11 @@ optimizer steps); the baseline is one policy forward+backward with a plain token
 the same megatron schedule, micro-batches and packing. Both are measured side by side in one process.
 
     python benchmarks/learner_step.py [--family qwen3_moe --layers 4 --hidden 256 --trajectories 16 --repeats 3]
+
+With --critic-layouts it compares where the critic runs instead (each role one thread, pinned to its own core, as
+separate accelerators): a policy-only step (one policy update), the serial SAO step (critic, then policy, on the
+same core) and the SAO step with the critic on its own ranks (learner.value_on_separate_ranks: the policy job on
+core 0, the value job on core 1, bridged as in a run), each as a ratio to the policy-only step, medians of --repeats.
 """
 
 from __future__ import annotations
@@ -17,6 +22,132 @@ import time
 
 import numpy as np
 import torch
+
+
+def _setup(args: argparse.Namespace, hf_dir: str, extra: list[str]) -> tuple[object, list]:
+    from megatron_sao.config import load_config
+    from megatron_sao.learner.synthetic import make_trajectory
+
+    cfg = load_config(
+        None,
+        ["--model.hf_path", hf_dir, "--model.dtype", "fp32",
+         "--learner.max_tokens_per_microbatch", str(args.microbatch_tokens),
+         "--algo.value.updates_per_policy_step", str(args.k), *extra],
+    )  # fmt: skip
+    rng = np.random.default_rng(0)
+    trajectories = [
+        make_trajectory(rng, i, prompt_len=32, turns=(args.turn_tokens, args.turn_tokens), observation=24)
+        for i in range(args.trajectories)
+    ]
+    for i, t in enumerate(trajectories):  # rewards that vary: a critic with something to learn
+        t.header = type(t.header)(**{**_fields(t.header), "reward": float(i % 3) / 2})
+    return cfg, trajectories
+
+
+def _fields(header: object) -> dict:
+    import msgspec
+
+    return msgspec.structs.asdict(header)
+
+
+def _pin(core: int) -> None:
+    import os
+
+    torch.set_num_threads(1)
+    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > core:
+        os.sched_setaffinity(0, {core})
+
+
+def _one_core_steps(args: argparse.Namespace, hf_dir: str) -> dict[str, list[float]]:
+    """Core 0: a policy-only step and the serial SAO step, interleaved."""
+    from megatron_sao.distributed import init_distributed
+    from megatron_sao.learner.learner import Learner
+
+    _pin(0)
+    cfg, trajectories = _setup(args, hf_dir, [])
+    init_distributed(cfg.parallel)
+    learner = Learner(cfg)
+    learner.load_hf(hf_dir)
+    rng = np.random.default_rng(1)
+    advantages = {t.trajectory_id: rng.standard_normal(t.header.num_tokens - 1).astype(np.float32)
+                  for t in trajectories}  # fmt: skip
+    steps = {"policy": lambda: learner.policy_step(trajectories, advantages), "serial": lambda: learner.train_step(
+        trajectories)}  # fmt: skip
+    out: dict[str, list[float]] = {k: [] for k in steps}
+    for fn in steps.values():
+        fn()  # warm-up
+    for _ in range(args.repeats):
+        for name, fn in steps.items():
+            t0 = time.perf_counter()
+            fn()
+            out[name].append(time.perf_counter() - t0)
+    return out
+
+
+def _separate_job(args: argparse.Namespace, hf_dir: str, role: str, address: str) -> dict[str, list[float]]:
+    """The policy job (core 0) or the value job (core 1) of a critic on its own ranks."""
+    from megatron_sao.distributed import init_distributed
+    from megatron_sao.learner.learner import Learner
+    from megatron_sao.run.critic import RemoteCritic, ValueJob
+    from megatron_sao.run.learn import Steps
+
+    _pin(0 if role == "policy" else 1)
+    cfg, trajectories = _setup(args, hf_dir, ["--learner.value_on_separate_ranks", "true"])
+    if role == "value":
+        job = ValueJob.start(cfg, address)
+        try:
+            job.serve()
+        finally:
+            job.close()
+        return {}
+    init_distributed(cfg.parallel)
+    learner = Learner(cfg, roles={"policy"})
+    learner.load_hf(hf_dir)
+    critic = RemoteCritic(cfg, address)
+    critic.begin(None)
+    steps = Steps(learner, critic)
+    out: dict[str, list[float]] = {"separate": [], "critic_wait": [], "critic_tail": []}
+    for i in range(args.repeats + 1):  # the first is the warm-up
+        t0 = time.perf_counter()
+        metrics = steps.train(trajectories)
+        metrics.update(steps.finish())
+        if i:
+            out["separate"].append(time.perf_counter() - t0)
+            out["critic_wait"].append(metrics["time/critic_wait"])
+            out["critic_tail"].append(metrics["time/critic_tail"])
+    critic.close()
+    return out
+
+
+def critic_layouts(args: argparse.Namespace, hf_dir: str) -> None:
+    import threading
+
+    from megatron_sao.distributed import find_free_port, spawn_ranks
+
+    (one_core,) = spawn_ranks(_one_core_steps, 1, args, hf_dir, timeout_s=3600)
+    address = f"tcp://127.0.0.1:{find_free_port()}"
+    got: dict[str, list] = {}
+
+    def job(role: str) -> None:
+        got[role] = spawn_ranks(_separate_job, 1, args, hf_dir, role, address, timeout_s=3600)
+
+    threads = [threading.Thread(target=job, args=(role,)) for role in ("policy", "value")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    (separate,) = got["policy"]
+    med = {k: statistics.median(v) for k, v in {**one_core, **separate}.items()}
+    print(f"model: {args.family} tiny, {args.layers} layers, hidden {args.hidden}, {args.experts} experts, fp32; "
+          f"step: {args.trajectories} trajectories; K = {args.k}; each role 1 thread on its own core; medians of "
+          f"{args.repeats}")  # fmt: skip
+    print(f"policy-only step (1 policy update): {med['policy'] * 1e3:.0f} ms")
+    print(f"serial SAO step (critic, then policy, one core): {med['serial'] * 1e3:.0f} ms; "
+          f"serial step / policy-only step {med['serial'] / med['policy']:.2f}")  # fmt: skip
+    print(f"separate critic step (policy job core 0, value job core 1): {med['separate'] * 1e3:.0f} ms (waiting for "
+          f"the advantages {med['critic_wait'] * 1e3:.0f} ms, for the critic after the policy update "
+          f"{med['critic_tail'] * 1e3:.0f} ms); separate critic step / policy-only step "
+          f"{med['separate'] / med['policy']:.2f} (goal <= 1.2)")  # fmt: skip
 
 
 def main() -> None:
@@ -31,7 +162,16 @@ def main() -> None:
     p.add_argument("--k", type=int, default=2, help="value updates per policy step")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--critic-layouts", action="store_true", help="compare the serial critic with one on its own "
+                   "ranks, each role on its own core (see above)")  # fmt: skip
     args = p.parse_args()
+    if args.critic_layouts:
+        from megatron_sao.models.tiny import make_tiny_model
+
+        hf_dir = make_tiny_model(args.family, tempfile.mkdtemp(prefix="bench-"), layers=args.layers,
+                                 hidden=args.hidden, experts=args.experts)  # fmt: skip
+        critic_layouts(args, str(hf_dir))
+        return
     torch.set_num_threads(args.threads)
 
     from megatron_sao.config import load_config

@@ -79,6 +79,12 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _reward_sums(rewards: torch.Tensor, mask: torch.Tensor, algo: Any) -> torch.Tensor:
+    """The critic's targets when lambda_critic = 1: discounted reward sums, whatever the values (GAE with lambda 1
+    telescopes to them), so they exist before any value is computed."""
+    return compute_step_targets(rewards, torch.zeros_like(rewards), mask, algo.gae).returns
+
+
 def _data_parallel_sum(stats: torch.Tensor) -> torch.Tensor:
     """algo.Moments over this stage's data-parallel ranks: whitening sees the whole step, not this rank's shard."""
     from megatron.core import parallel_state as ps
@@ -293,19 +299,40 @@ class Learner:
         """values_old, GAE, then K critic updates; returns the policy's advantages [B, L] (zeros off the last
         pipeline stage). `value/explained_variance` is the honest one: the values GAE used, before the critic
         trained on this batch (the one a decision may rest on); `value/explained_variance_post` is measured in the
-        last update's forward, after K - 1 updates on the same batch."""
+        last update's forward, after K - 1 updates on the same batch.
+
+        values_old come from the first update's own forward when the critic's targets do not depend on them
+        (lambda_critic = 1: returns are reward sums) -- the same numbers a separate forward would give, one pass
+        fewer. Not when the advantages go to a policy job that would wait for that update and K = 1 (it could not
+        overlap anything then): values_old come first from a forward-only pass, as with lambda_critic < 1."""
+        from megatron.core import parallel_state as ps
+
         assert self.value is not None
         algo = self.cfg.algo
+        k_updates = algo.value.updates_per_policy_step
         batch, mbs, metrics = plan.batch, plan.mbs, plan.metrics
-        old_values = torch.zeros_like(batch.rollout_logprobs)
-        with torch.no_grad():
-            on_last_stage = collect_values(self.value.ddp, mbs, old_values)
         gae_mask = batch.action_mask if algo.gae.skip_observations else gae_span(batch.action_mask)
+        on_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         rewards = None
         if on_last_stage:
             rewards = token_rewards(batch.action_mask, batch.rewards, batch.turn_rewards, batch.turn_index)
-        if not self.value_head_fitted:
-            old_values, on_last_stage = self._fit_value_bias(plan, rewards, old_values, gae_mask)
+        fused = algo.gae.lambda_critic == 1.0 and (publish is None or k_updates > 1)
+        old_values = torch.zeros_like(batch.rollout_logprobs)
+        updates = 0
+        if fused:
+            returns = _reward_sums(rewards, gae_mask, algo) if rewards is not None else None
+            if not self.value_head_fitted:
+                self._fit_value_bias(plan, returns, gae_mask)
+            self._value_update(plan, returns, old_values, gae_mask, 0, record=True)  # fills old_values
+            updates = 1
+        else:
+            with torch.no_grad():
+                collect_values(self.value.ddp, mbs, old_values)
+            if not self.value_head_fitted:
+                returns = _reward_sums(rewards, gae_mask, algo) if rewards is not None else None
+                self._fit_value_bias(plan, returns, gae_mask)
+                with torch.no_grad():
+                    collect_values(self.value.ddp, mbs, old_values)
         advantages = returns = None
         stats: list[dict[str, tuple[float, float]]] = []
         if on_last_stage:
@@ -328,31 +355,39 @@ class Learner:
                 for row, traj_id in enumerate(batch.trajectory_ids):
                     by_id[traj_id] = advantages[row, : batch.lengths[row]].numpy().copy()
             publish(by_id)
-        for k in range(algo.value.updates_per_policy_step):
-            results, ok, grad_norm = value_update(
-                self.value, mbs, batch, returns, old_values, algo.value.clip, value_mask=gae_mask
-            )
-            reduced = explained_variance(reduce_metrics(results), "value/ev_", "value/explained_variance_post")
-            if k == 0:
-                metrics["loss/value_first"] = reduced["loss/value"]
-            metrics.update(reduced)
-            metrics.update({"value/grad_norm": grad_norm, "value/update_ok": float(ok), **self._nonfinite("value", ok)})
-        metrics["value/updates"] = float(algo.value.updates_per_policy_step)
+        for k in range(updates, k_updates):
+            self._value_update(plan, returns, old_values, gae_mask, k)
+        metrics["value/updates"] = float(k_updates)
         metrics["value/lr"] = self.value.applied_lr
         return advantages if advantages is not None else torch.zeros_like(old_values)
 
-    def _fit_value_bias(
-        self, plan: StepPlan, rewards: torch.Tensor | None, values: torch.Tensor, mask: torch.Tensor
-    ) -> tuple[torch.Tensor, bool]:
+    def _value_update(
+        self, plan: StepPlan, returns: torch.Tensor | None, old_values: torch.Tensor, mask: torch.Tensor, k: int,
+        record: bool = False,
+    ) -> None:  # fmt: skip
+        """Critic update k of the step, its metrics into the plan's (`record`: old_values are this update's own
+        forward, written into `old_values`)."""
+        assert self.value is not None
+        clip = self.cfg.algo.value.clip
+        results, ok, grad_norm = value_update(self.value, plan.mbs, plan.batch, returns, old_values, clip,
+                                              value_mask=mask, record_values=record)  # fmt: skip
+        reduced = explained_variance(reduce_metrics(results), "value/ev_", "value/explained_variance_post")
+        if k == 0:
+            plan.metrics["loss/value_first"] = reduced["loss/value"]
+        plan.metrics.update(reduced)
+        plan.metrics.update(
+            {"value/grad_norm": grad_norm, "value/update_ok": float(ok), **self._nonfinite("value", ok)}
+        )
+
+    def _fit_value_bias(self, plan: StepPlan, returns: torch.Tensor | None, mask: torch.Tensor) -> None:
         """Collective, once per critic: a new head (models/value_head.py: zero) predicts 0 everywhere; set its bias
         to the mean critic target of this first batch (token-weighted over `mask`, every data-parallel rank), so
-        the critic starts at the best constant instead of an arbitrary one. Returns the values GAE should use
-        (read again through the model) and whether this rank holds them."""
+        the critic starts at the best constant instead of an arbitrary one. `returns` exist on the last pipeline
+        stage (where the head lives), None elsewhere."""
         from megatron.core import parallel_state as ps
 
         assert self.value is not None
-        if rewards is not None:  # last pipeline stage: the head lives here
-            returns = compute_step_targets(rewards, values, mask, self.cfg.algo.gae).returns
+        if returns is not None:
             sums = torch.tensor([float(returns[mask].double().sum()), float(mask.sum())], dtype=torch.float64)
             sums = sums.to(_device())
             dist.all_reduce(sums, group=ps.get_data_parallel_group())
@@ -363,10 +398,6 @@ class Learner:
                 logger.info("value head: bias set to %.4f, the mean return of the first batch", mean)
         self.value.reload_main_params()
         self.value_head_fitted = True
-        values = torch.zeros_like(values)
-        with torch.no_grad():
-            on_last_stage = collect_values(self.value.ddp, plan.mbs, values)
-        return values, on_last_stage
 
     # ------------------------------------------------------------------ helpers
 

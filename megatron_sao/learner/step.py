@@ -70,11 +70,14 @@ def value_update(
     old_values: torch.Tensor,
     clip: float | None,
     value_mask: torch.Tensor | None = None,
+    record_values: bool = False,
 ) -> tuple[list[WeightedMetrics], bool, float]:
     """One critic optimizer step on the whole step batch. `returns`/`old_values` [B, L] exist on the last
     pipeline stage (None/unused elsewhere). `value_mask` [B, L]: the tokens the critic is trained on (default the
-    action tokens; the GAE span when `algo.gae.skip_observations` is off). Returns (per-micro-batch metrics,
-    update ok, grad norm)."""
+    action tokens; the GAE span when `algo.gae.skip_observations` is off). `record_values`: this is the step's
+    first update and its forward gives the step's values, written into `old_values` (the clip centre is then the
+    values themselves: no clipping, as for a first update). Returns (per-micro-batch metrics, update ok, grad
+    norm)."""
     trained = batch.action_mask if value_mask is None else value_mask
 
     def loss_fn(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
@@ -82,9 +85,13 @@ def value_update(
         dev = output.device
         mask = mb.pack(trained).to(dev)
         values = output.reshape(1, -1).float()
+        if record_values:
+            mb.unpack_into(values[0].detach().cpu(), old_values)
+            centre = values.detach()
+        else:
+            centre = mb.pack(old_values).to(dev)[None]
         loss, m = value_loss(
-            values, mb.pack(old_values).to(dev)[None], mb.pack(returns).to(dev)[None], mask[None],
-            clip=clip, num_action_tokens=1.0,
+            values, centre, mb.pack(returns).to(dev)[None], mask[None], clip=clip, num_action_tokens=1.0,
         )  # fmt: skip
         count = mask.sum()
         totals = ev_totals("value/ev_", values[0].detach(), mb.pack(returns).to(dev), mask)

@@ -147,3 +147,33 @@ def test_whitening_normalizes_the_whole_step_across_data_parallel_ranks(tiny_hf_
     _compare(ref, _assembled(dp2, "x", "policy"), 1e-6)  # per-rank whitening would differ (each shard its own mean)
     diff = max(float((ref[n] - p).abs().max()) for n, p in _assembled(plain, "x", "policy").items())
     assert diff > 1e-4, "whitening changed nothing: all-positive advantages push every token alike without it"
+
+
+def _critic_params_after_one_step(hf_dir: str, trajectories, fused: bool) -> dict[str, Any]:
+    from megatron_sao.distributed import init_distributed
+    from megatron_sao.learner.learner import Learner
+
+    cfg = learner_config(hf_dir, {}, int(os.environ["WORLD_SIZE"]), k=1)
+    init_distributed(cfg.parallel, seed=5)
+    learner = Learner(cfg)
+    learner.load_hf(hf_dir)
+    published: list[dict] = []
+    # K = 1 with a policy job waiting on the advantages takes the separate forward; without one, the fused path
+    metrics = learner.critic_step(trajectories, None if fused else published.append)
+    params = {n: p.detach().clone() for n, p in learner.value.model.named_parameters()}
+    return {"params": params, "metrics": metrics, "published": len(published)}
+
+
+@pytest.mark.multiproc
+def test_values_from_the_first_updates_forward_equal_a_separate_forward(tiny_hf_dir):
+    hf_dir = str(tiny_hf_dir("qwen3_moe"))
+    trajectories = on_policy(make_batch(5, seed=14), hf_dir)
+    for i, t in enumerate(trajectories):
+        t.header = type(t.header)(**{**_fields(t.header), "reward": [1.0, 0.0, 0.5, 0.25, 1.0][i]})
+    (fused,) = spawn_ranks(_critic_params_after_one_step, 1, hf_dir, trajectories, True, timeout_s=300)
+    (separate,) = spawn_ranks(_critic_params_after_one_step, 1, hf_dir, trajectories, False, timeout_s=300)
+    assert separate["published"] == 1 and fused["published"] == 0
+    for name, p in fused["params"].items():
+        torch.testing.assert_close(p, separate["params"][name], atol=1e-6, rtol=0)
+    for key in ("loss/value_first", "value/explained_variance", "gae/advantages_mean", "value/grad_norm"):
+        assert fused["metrics"][key] == pytest.approx(separate["metrics"][key], abs=1e-6), key
