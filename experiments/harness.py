@@ -55,16 +55,24 @@ def pinned(core: int, cmd: list[str]) -> list[str]:
     return (["taskset", "-c", str(core)] if shutil.which("taskset") and (os.cpu_count() or 1) > 1 else []) + cmd
 
 
-def warm_agentic_model(work: Path = RUNS) -> Path:
-    """The main job's starting point: a random tiny qwen3_moe warm-started on key_chain demonstrations (cached)."""
+def warm_agentic_model(
+    work: Path = RUNS, env_options: dict[str, Any] | None = None, name: str = "warm_agentic",
+    warm_args: tuple[str, ...] = (),
+) -> Path:  # fmt: skip
+    """The main job's starting point: a random tiny qwen3_moe warm-started on key_chain demonstrations (cached);
+    `env_options`: a key_chain variant's (its demonstrator's), cached under `name`; `warm_args`: more
+    tools/warm_start.py arguments."""
     from megatron_sao.models.tiny import make_tiny_model
 
     base = work / "base_agentic"
     if not (base / "config.json").is_file():
         make_tiny_model("qwen3_moe", base, hidden=128, force=True)
-    warm = work / "warm_agentic"
+    warm = work / name
     cmd = [sys.executable, str(REPO / "tools" / "warm_start.py"), "--config", str(AGENTIC), "--base", str(base),
            "--out", str(warm)]  # fmt: skip
+    cmd += list(warm_args)
+    if env_options:
+        cmd += ["--rollout.env.options", json.dumps(env_options)]
     done = subprocess.run(cmd, env=role_env(), capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"warm start failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")

@@ -157,11 +157,24 @@ def physics(cfg: Any, plan: Any, arch: Any, gpu: str, engine_gpu: str, mfu: floa
     engine = EngineModel(tau0, tau1, prefill, turn_overhead_s=0.005)
     k = cfg.algo.value.updates_per_policy_step
     fwd_bwd = 4 if cfg.learner.recompute == "full" else 3  # x 2N FLOPs per token: forward, backward (+ recompute)
-    per_token = {"grpo": fwd_bwd, "grpo_async": fwd_bwd, "sao": fwd_bwd + 1 + k * fwd_bwd}  # + values, K critic updates
-    rate = plan.world * GPUS[gpu][0] * mfu
+    # the critic's values come from its first update's forward when lambda_critic = 1 (learner/learner.py)
+    values_fwd = 0 if cfg.algo.gae.lambda_critic == 1.0 else 1
+    policy_rate = plan.world * GPUS[gpu][0] * mfu
+    separate = plan.value_layout is not None  # learner.value_on_separate_ranks: the critic on value_world GPUs
+    value_rate = (plan.value_world if separate else plan.world) * GPUS[gpu][0] * mfu
 
     def step_s(arm: str, n: int, tokens: int) -> float:
-        return 2 * counts.active * tokens * per_token[arm] / rate + 0.5  # + optimizer steps and collectives
+        flops = 2 * counts.active * tokens
+        policy = flops * fwd_bwd / policy_rate
+        if arm != "sao":
+            return policy + 0.5  # + optimizer steps and collectives
+        update, values = flops * fwd_bwd / value_rate, flops * values_fwd / value_rate
+        if not separate:
+            return values + k * update + policy + 0.5
+        # the policy job waits for the advantages (the values, or the first update that gives them), then updates
+        # while the value job does the rest of its K updates
+        waited = values if values_fwd else update
+        return waited + max(policy, k * update - (0 if values_fwd else update)) + 0.5
 
     sync = plan.sync.seconds if plan.sync else 0.0
     return engine, lambda scale: LearnerModel(step_s, push_s=sync * scale, push_every=cfg.weight_sync.interval)

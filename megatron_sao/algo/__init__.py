@@ -16,7 +16,7 @@ from megatron_sao.algo.advantages import (
     token_rewards,
     whiten,
 )
-from megatron_sao.algo.baselines import RunningMeanBaseline, grpo_advantages
+from megatron_sao.algo.baselines import KeyedRunningMeanBaseline, RunningMeanBaseline, grpo_advantages
 from megatron_sao.algo.common import Metrics
 from megatron_sao.algo.gae import compute_gae, gae_span, length_adaptive_lambda, reverse_discounted_scan
 from megatron_sao.algo.policy_loss import dis_policy_loss, ppo_clip_policy_loss
@@ -24,6 +24,7 @@ from megatron_sao.algo.value_loss import explained_variance, value_loss
 
 __all__ = [
     "Metrics",
+    "KeyedRunningMeanBaseline",
     "RunningMeanBaseline",
     "StepTargets",
     "compute_gae",

@@ -124,3 +124,36 @@ class RunningMeanBaseline:
             raise ValueError(f"checkpointed history holds {len(history)} rewards, more than window={self.window}")
         self._history = deque(history, maxlen=self.window)
         self.num_seen = int(state["num_seen"])
+
+
+class KeyedRunningMeanBaseline:
+    """One RunningMeanBaseline per key (e.g. each prompt's difficulty): a reward's baseline is the mean of the last
+    `window` rewards of its own key, before it. With the key a task's difficulty, this is the best any prompt-level
+    baseline can do (the oracle experiments/critic_matters.py compares a critic with)."""
+
+    def __init__(self, window: int = 8) -> None:
+        self.window = window
+        self.by_key: dict[str, RunningMeanBaseline] = {}
+
+    def advantages(self, rewards: torch.Tensor, keys: Sequence[str]) -> torch.Tensor:
+        """`A_i = R_i - baseline_before_i(key_i)` for rewards [B] in stream order; float32 [B]."""
+        if len(keys) != rewards.shape[0]:
+            raise ValueError(f"{len(keys)} keys for {rewards.shape[0]} rewards; pass one key per trajectory")
+        out = torch.empty_like(rewards, dtype=compute_dtype(rewards.dtype))
+        for i, key in enumerate(keys):
+            baseline = self.by_key.setdefault(key, RunningMeanBaseline(self.window))
+            out[i : i + 1] = baseline.advantages(rewards[i : i + 1])
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"window": self.window, "by_key": {k: b.state_dict() for k, b in self.by_key.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("window") != self.window:
+            saved = state.get("window")
+            raise ValueError(f"checkpointed keyed running mean has window={saved}, this run uses {self.window}; set "
+                             f"algo.running_mean.window={saved} to resume it")  # fmt: skip
+        self.by_key = {}
+        for key, sub in state["by_key"].items():
+            self.by_key[key] = RunningMeanBaseline(self.window)
+            self.by_key[key].load_state_dict(sub)

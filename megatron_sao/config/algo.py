@@ -116,6 +116,11 @@ class RunningMeanConfig(Section):
     """Number of most recent rewards averaged into the single-rollout baseline (paper: 8). The baseline of a
     reward is the mean of the rewards before it (0 before the first)."""
 
+    group_by: str | None = None
+    """A key of the trajectories' metadata (e.g. `hops`, key_chain's chain length): one running mean per value of
+    it. With the task's difficulty as the key this is the oracle prompt-level baseline (experiments/
+    critic_matters.py); None: one stream for every prompt (the paper's)."""
+
 
 ArmName = Literal["sao", "grpo", "grpo_async", "running_mean"]
 GROUP_ARMS = ("grpo", "grpo_async")

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sao.algo import (
+    KeyedRunningMeanBaseline,
     RunningMeanBaseline,
     compute_step_targets,
     gae_span,
@@ -85,6 +86,26 @@ def _reward_sums(rewards: torch.Tensor, mask: torch.Tensor, algo: Any) -> torch.
     return compute_step_targets(rewards, torch.zeros_like(rewards), mask, algo.gae).returns
 
 
+def _first_values(batch: StepBatch, values: torch.Tensor) -> dict[str, float]:
+    """{trajectory id: value at its first action position} of this rank's rows."""
+    first = first_action_tokens(batch.action_mask)
+    out = {}
+    for row, traj_id in enumerate(batch.trajectory_ids):
+        cols = first[row].nonzero()
+        if cols.numel():
+            out[traj_id] = float(values[row, int(cols[0])])
+    return out
+
+
+def _gather_on_rank0(local: dict[str, float]) -> dict[str, float]:
+    """Collective over the world: every rank's entries merged on rank 0 ({} elsewhere)."""
+    if dist.get_world_size() == 1:
+        return local
+    parts: list[dict[str, float]] | None = [{}] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(local, parts, dst=0)
+    return {k: v for part in parts or [] for k, v in part.items()}
+
+
 def _data_parallel_sum(stats: torch.Tensor) -> torch.Tensor:
     """algo.Moments over this stage's data-parallel ranks: whitening sees the whole step, not this rank's shard."""
     from megatron.core import parallel_state as ps
@@ -130,12 +151,19 @@ class Learner:
         self.trajectories_trained = 0
         self.loaded_from: Path | None = None
         """The checkpoint directory the last load_checkpoint restored (after a fall-back: the one it fell back to)."""
+        self.first_values: dict[str, float] = {}
+        """Rank 0, after a critic step: each trajectory's value at its first action token (the critic's estimate of
+        the episode from the prompt alone), by id; the run loop writes it into the trajectory ledger."""
         self.value_head_fitted = False
         """Whether the critic's head bias was set from a first batch (_fit_value_bias); checkpointed. A head loaded
         fresh (HF weights, a weights-only checkpoint) is not."""
         self.nonfinite_total: dict[str, int] = {}  # optimizer steps skipped for NaN/Inf gradients, per model
         self.nonfinite_in_a_row: dict[str, int] = {}
-        self.running_mean = RunningMeanBaseline(algo.running_mean.window) if algo.name == "running_mean" else None
+        self.running_mean: RunningMeanBaseline | KeyedRunningMeanBaseline | None = None
+        if algo.name == "running_mean":
+            rm = algo.running_mean
+            self.running_mean = (KeyedRunningMeanBaseline(rm.window) if rm.group_by else
+                                 RunningMeanBaseline(rm.window))  # fmt: skip
         if dist.get_rank() == 0:
             for role in (self.policy, self.value):
                 if role is not None:
@@ -345,6 +373,7 @@ class Learner:
             first = first_action_tokens(batch.action_mask)
             stats.append(ev_totals("value/ev_", old_values, returns, gae_mask))
             stats.append(ev_totals("value/ev_first_", old_values, returns, first))
+        self.first_values = _gather_on_rank0(_first_values(batch, old_values) if plan.holds_outputs else {})
         reduced = reduce_metrics(stats)
         explained_variance(reduced, "value/ev_", "value/explained_variance")
         explained_variance(reduced, "value/ev_first_", "value/explained_variance_first_token")
@@ -442,6 +471,9 @@ class Learner:
         if self.cfg.algo.grouped:
             groups = [f"{t.header.worker_id}/{t.header.prompt_id}" for t in trajectories]
             return grpo_advantages(rewards, groups, normalize_std=self.cfg.algo.grpo.normalize_std)
+        if isinstance(self.running_mean, KeyedRunningMeanBaseline):
+            key = self.cfg.algo.running_mean.group_by
+            return self.running_mean.advantages(rewards, [str(t.header.metadata.get(key)) for t in trajectories])
         if self.running_mean is not None:
             return self.running_mean.advantages(rewards)
         return None

@@ -77,7 +77,7 @@ def measure_roles(hf_dir: str, tokens: int, recompute: str) -> dict[str, Any]:
     mask = torch.triu(torch.ones(1, 1, tokens, tokens, dtype=torch.bool), diagonal=1)
     out: dict[str, Any] = {}
     for role, optim in (("policy", cfg.learner.policy), ("value", cfg.learner.value)):
-        rm = build_role(spec, cfg.parallel, role, optim, total_steps=1, use_distributed_optimizer=True, seed=1,
+        rm = build_role(spec, cfg.parallel, role, optim, total_steps=1, use_distributed_optimizer=True,
                         recompute=recompute)  # fmt: skip
         rm.zero_grad()
         with saved_activations(parameter_storages(rm)) as saved:

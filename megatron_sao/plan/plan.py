@@ -50,22 +50,27 @@ class Misfit:
 
 @dataclass
 class StagePlan:
+    """One pipeline stage's GPU: the learner's (policy, and the critic unless it has its own ranks), or the value
+    job's (critic only, no push staging)."""
+
     stage: int
     layers: int
-    policy: RoleMemory
+    policy: RoleMemory | None
     critic: RoleMemory | None
     sync_staging: float
     reserve: float
 
     @property
+    def roles(self) -> list[RoleMemory]:
+        return [r for r in (self.policy, self.critic) if r is not None]
+
+    @property
     def activations(self) -> float:
-        acts = [self.policy.activations] + ([self.critic.activations] if self.critic else [])
-        return max(a.peak for a in acts if isinstance(a, Activations))
+        return max((r.activations.peak for r in self.roles if isinstance(r.activations, Activations)), default=0.0)
 
     @property
     def total(self) -> float:
-        static = self.policy.static + (self.critic.static if self.critic else 0.0)
-        return static + max(self.activations, self.sync_staging) + self.reserve
+        return sum(r.static for r in self.roles) + max(self.activations, self.sync_staging) + self.reserve
 
 
 @dataclass
@@ -88,6 +93,10 @@ class Plan:
     sync: SyncPlan | None = None
     misfits: list[Misfit] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    value_layout: Layout | None = None
+    """The value job's layout (learner.value_on_separate_ranks), else None: the critic shares the learner's ranks."""
+    value_world: int = 0
+    value_stages: list[StagePlan] = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
@@ -136,6 +145,8 @@ def make_plan(cfg: SAOConfig, hf: dict[str, Any], hw: Hardware) -> Plan:
     _check_topology(cfg, arch, hw, plan)
     if plan.layout is not None:
         _plan_learner(cfg, arch, hw, plan)
+    if plan.value_layout is not None:
+        _plan_value_job(cfg, arch, hw, plan)
     if cfg.rollout.engine == "sglang":
         _plan_engines(cfg, arch, hw, plan)
         _plan_sync(cfg, hw, plan)
@@ -168,6 +179,16 @@ def _check_topology(cfg: SAOConfig, arch: Architecture, hw: Hardware, plan: Plan
         plan.layout = Layout.of(p, plan.world, arch.num_layers)
     except ValueError as e:
         plan.misfits.append(Misfit(_field(str(e), "parallel.pipeline"), str(e)))
+    if cfg.learner.value_on_separate_ranks:
+        vp = cfg.learner.value_parallel or p
+        plan.value_world = cfg.launch.value_world_size
+        try:
+            if arch.experts:
+                vp.check_num_experts(arch.experts)
+            vp.check_attention_heads(arch.heads, arch.kv_heads if arch.mla is None else None)
+            plan.value_layout = Layout.of(vp, plan.value_world, arch.num_layers)
+        except ValueError as e:
+            plan.misfits.append(Misfit("learner.value_parallel", f"the value job ({plan.value_world} ranks): {e}"))
     if cfg.launch.mode == "slurm":
         try:
             node_map(cfg, placeholder_nodes(hw.nodes))
@@ -193,8 +214,13 @@ def _check_topology(cfg: SAOConfig, arch: Architecture, hw: Hardware, plan: Plan
 
 
 def _learner_stages(cfg: SAOConfig, arch: Architecture, layout: Layout, hw: Hardware, *, tokens: int,
-                    recompute: str) -> list[StagePlan]:  # fmt: skip
+                    recompute: str, roles: tuple[str, ...] | None = None) -> list[StagePlan]:  # fmt: skip
+    """Every stage of `layout` holding `roles` (default: what the learner's ranks hold: the policy, and the critic
+    for sao unless it has ranks of its own); the push's staging on stages that hold the policy."""
     learner = cfg.learner
+    if roles is None:
+        shared_critic = cfg.algo.name == "sao" and not learner.value_on_separate_ranks
+        roles = ("policy", "value") if shared_critic else ("policy",)
     use_te = cfg.model.dtype == "bf16"  # GPU bf16: Transformer Engine layers, fused attention
     common = dict(dtype=cfg.model.dtype, distributed_optimizer=learner.use_distributed_optimizer,
                   tokens=largest_microbatch(cfg, tokens), recompute=recompute, flash_attention=use_te,
@@ -204,13 +230,15 @@ def _learner_stages(cfg: SAOConfig, arch: Architecture, layout: Layout, hw: Hard
     bucket = cfg.weight_sync.bucket_mb * 2**20
     stages = []
     for stage in range(layout.pp):
-        policy = role_memory(arch, "policy", layout, stage, tensors=tensors, **common)
-        critic = None
-        if cfg.algo.name == "sao":
+        policy = critic = None
+        if "policy" in roles:
+            policy = role_memory(arch, "policy", layout, stage, tensors=tensors, **common)
+        if "value" in roles:
             critic = role_memory(arch, "value", layout, stage, tensors=critic_tensors, **common)
         held = [t for t in tensors if t.layer is None or t.layer in layout.stage_range(stage)]
         largest = max((t.numel * 2 for t in held if t.split != "replicated"), default=0)
-        staging = 2 * bucket + largest  # the source's send buffer, the gather's receive area, one assembled tensor
+        # the source's send buffer, the gather's receive area, one assembled tensor; the value job pushes nothing
+        staging = 2 * bucket + largest if policy is not None else 0.0
         stages.append(StagePlan(stage, len(layout.stage_range(stage)), policy, critic, staging,
                                 RUNTIME_RESERVE_GB * GB))  # fmt: skip
     return stages
@@ -249,7 +277,7 @@ def _plan_learner(cfg: SAOConfig, arch: Architecture, hw: Hardware, plan: Plan) 
             fix = " and ".join(f"{k}={v}" for k, v in change.items())
             plan.misfits.append(Misfit(next(iter(change)), f"{need}; {fix} fits ({peak / GB:.1f} GB)"))
             return
-    static = worst.policy.static + (worst.critic.static if worst.critic else 0.0) + worst.reserve
+    static = sum(r.static for r in worst.roles) + worst.reserve
     if static > limit:
         plan.misfits.append(Misfit("launch.nnodes", f"{need}: parameters, gradients and optimizer state alone take "
                                    f"{static / GB:.1f} GB; raise launch.nnodes (more data-parallel ranks shard the "
@@ -258,6 +286,19 @@ def _plan_learner(cfg: SAOConfig, arch: Architecture, hw: Hardware, plan: Plan) 
         plan.misfits.append(Misfit("rollout.max_total_tokens", f"{need}: episodes reach {largest_microbatch(cfg, 0)} "
                                    "tokens (rollout.max_total_tokens), a micro-batch of their own; lower it, or raise "
                                    "parallel.tensor (sequence parallelism splits them)"))  # fmt: skip
+
+
+def _plan_value_job(cfg: SAOConfig, arch: Architecture, hw: Hardware, plan: Plan) -> None:
+    """The value job's stages (critic only) at its own layout; a stage over the GPU is a misfit naming its fields."""
+    assert plan.value_layout is not None
+    plan.value_stages = _learner_stages(cfg, arch, plan.value_layout, hw, tokens=cfg.learner.max_tokens_per_microbatch,
+                                        recompute=cfg.learner.recompute, roles=("value",))  # fmt: skip
+    worst = max(plan.value_stages, key=lambda s: s.total)
+    if worst.total > hw.gpu_mem_gb * GB:
+        plan.misfits.append(Misfit("learner.value_parallel", f"value job stage {worst.stage} needs "
+                                   f"{worst.total / GB:.1f} GB per GPU, more than --gpu-mem-gb={hw.gpu_mem_gb:g}: "
+                                   "raise learner.value_parallel.pipeline / .expert or its ranks "
+                                   "(launch.value_nnodes, launch.value_nproc_per_node)"))  # fmt: skip
 
 
 def _learner_changes(cfg: SAOConfig, arch: Architecture, hw: Hardware) -> list[dict[str, Any]]:
@@ -367,16 +408,22 @@ def render(plan: Plan, cfg: SAOConfig, hw: Hardware, title: str) -> str:
         console.print(f"learner: {plan.world} ranks, TP={lay.tp} PP={lay.pp} CP={lay.cp} EP={lay.ep} ETP={lay.etp} "
                       f"DP={lay.dp} expert-DP={lay.edp}, layers per stage {list(lay.stage_layers)}, "
                       f"micro-batches of up to {mb} tokens, recompute {cfg.learner.recompute}")  # fmt: skip
-    if plan.stages:
-        table = Table(title="learner memory per GPU (GB): weights / grads / optimizer, activations at peak")
+    if plan.value_layout:
+        lay = plan.value_layout
+        console.print(f"value job (learner.value_on_separate_ranks): {plan.value_world} ranks, TP={lay.tp} "
+                      f"PP={lay.pp} EP={lay.ep} DP={lay.dp}, layers per stage {list(lay.stage_layers)}")  # fmt: skip
+    for title, stages in (("learner", plan.stages), ("value job", plan.value_stages)):
+        if not stages:
+            continue
+        table = Table(title=f"{title} memory per GPU (GB): weights / grads / optimizer, activations at peak")
         for col in ("stage", "layers", "policy w/g/o", "critic w/g/o", "activations", "sync staging", "reserve",
                     "total", f"of {hw.gpu_mem_gb:g}"):  # fmt: skip
             table.add_column(col, justify="right")
-        for s in plan.stages:
-            crit = s.critic
-            table.add_row(str(s.stage), str(s.layers), _wgo(s.policy), _wgo(crit) if crit else "-",
-                          f"{s.activations / GB:.1f}", f"{s.sync_staging / GB:.1f}", f"{s.reserve / GB:.1f}",
-                          f"{s.total / GB:.1f}", "fits" if s.total <= hw.gpu_mem_gb * GB else "NO")  # fmt: skip
+        for s in stages:
+            table.add_row(str(s.stage), str(s.layers), _wgo(s.policy) if s.policy else "-",
+                          _wgo(s.critic) if s.critic else "-", f"{s.activations / GB:.1f}",
+                          f"{s.sync_staging / GB:.1f}", f"{s.reserve / GB:.1f}", f"{s.total / GB:.1f}",
+                          "fits" if s.total <= hw.gpu_mem_gb * GB else "NO")  # fmt: skip
         console.print(table)
     if plan.engine:
         e, r = plan.engine, cfg.rollout

@@ -83,6 +83,7 @@ class Advantages(msgspec.Struct, tag="advantages", frozen=True):
 class Done(msgspec.Struct, tag="done", frozen=True):
     seq: int
     metrics: dict[str, float]
+    first_values: dict[str, float] = {}  # each trajectory's value at its first action token (the ledger's)
 
 
 class Saved(msgspec.Struct, tag="saved", frozen=True):
@@ -228,7 +229,7 @@ class ValueJob:
 
         metrics = self.learner.critic_step(trajectories, publish, update_version=not msg.pretrain)
         metrics["time/critic"] = time.monotonic() - t0
-        self.reply(Done(msg.seq, metrics))
+        self.reply(Done(msg.seq, metrics, self.learner.first_values))
 
     def save(self, msg: Save) -> None:
         from megatron_sao.learner.checkpoint import save_checkpoint
@@ -290,6 +291,7 @@ class RemoteCritic:
             print(f"[learner] waiting for the value job on {address}", flush=True)
         self.bridge = Bridge.open(address, host=True, timeout_s=BRIDGE_TIMEOUT_S) if rank0 else None
         self.seq = 0
+        self.first_values: dict[str, float] = {}  # of the last step's Done
 
     def _send(self, msg: Request) -> None:
         if self.bridge is not None:
@@ -349,7 +351,9 @@ class RemoteCritic:
 
     def metrics(self) -> dict[str, float]:
         """The submitted step's critic metrics, once its K updates are done."""
-        return dict(self._collective(Done, self.seq).metrics)
+        done = self._collective(Done, self.seq)
+        self.first_values = dict(done.first_values)
+        return dict(done.metrics)
 
     def save(self, name: str) -> str:
         """The value job checkpoints under <save_dir>/value/<name>; its path."""

@@ -238,6 +238,10 @@ class Steps:
         self._policy_done = time.monotonic()
         return {**metrics, "time/critic_wait": t1 - t0, "time/policy": self._policy_done - t1}
 
+    def first_values(self) -> dict[str, float]:
+        """Rank 0: the critic's value at each trajectory's first action token, of the last critic step."""
+        return dict(self.critic.first_values if self.critic is not None else self.learner.first_values)
+
     def finish(self) -> dict[str, float]:
         """The critic's metrics of the last step, once its updates are done (here: already in train's)."""
         if self.critic is None:
@@ -357,11 +361,13 @@ class _Run:
                 "throughput/tokens_per_s": facts["tokens/generated"] / step_s,
                 "throughput/trajectories_per_s": len(batch) / step_s, **metrics, **times}  # fmt: skip
 
-    def log(self, batch: Sequence[Trajectory], record: dict[str, Any], line: str) -> None:
+    def log(
+        self, batch: Sequence[Trajectory], record: dict[str, Any], line: str, first_values: dict[str, float]
+    ) -> None:
         if self.rank0:
             assert self.receiver is not None and self.metrics_log is not None and self.ledger is not None
             pretrain = self.pretrain.active or "pretrain/samples" in record
-            self.ledger.write(batch, self.learner.version, pretrain, self.pretrain.steps)
+            self.ledger.write(batch, self.learner.version, pretrain, self.pretrain.steps, first_values)
             record.update({f"bus/{k}": v for k, v in self.receiver.metrics().items()})
             self.metrics_log.write(record)
             self.display.step(record, line)
@@ -432,6 +438,7 @@ def learn(
             if run.pretrain.active:  # the critic learns the initial policy's returns; the policy waits
                 critic_steps = run.pretrain.batches(batch)  # the new batch first: its metrics are honest
                 metrics = run.steps.critic_only(critic_steps[0])
+                first_values = run.steps.first_values()
                 for more in critic_steps[1:]:
                     run.steps.critic_only(more)
                 metrics["pretrain/critic_steps"] = float(len(critic_steps))
@@ -439,7 +446,7 @@ def learn(
                 metrics.update(run.pretrain.metrics())
                 times["time/checkpoint"] = run.save(force=run.pretrain.done)
                 times["time/step"] = time.monotonic() - t_wait
-                run.log(batch, run.record(batch, metrics, times), run.pretrain.progress(metrics))
+                run.log(batch, run.record(batch, metrics, times), run.pretrain.progress(metrics), first_values)
                 continue
             pushed: dict[str, Any] = {}
             if engines.deferred and engines.behind:  # grpo_async: version k goes out now that batch k is in
@@ -458,7 +465,7 @@ def learn(
             times["time/checkpoint"] = run.save(force=learner.version >= max_steps)
             times["time/step"] = time.monotonic() - t_wait
             record = run.record(batch, metrics, times)
-            run.log(batch, record, _progress(batch, record, max_steps))
+            run.log(batch, record, _progress(batch, record, max_steps), run.steps.first_values())
         run.save(force=True)
         run.log_push({} if run.stopped else engines.finish())  # stopping: the engines may be going down too
         if run.stopped and run.rank0:

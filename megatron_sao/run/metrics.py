@@ -210,11 +210,19 @@ class TrajectoryLedger:
                                     "time": time.time()}) + "\n")  # fmt: skip
         self.file.flush()
 
-    def write(self, batch: Sequence[Trajectory], version: int, pretrain: bool, pretrain_steps: int = 0) -> None:
+    def write(
+        self, batch: Sequence[Trajectory], version: int, pretrain: bool, pretrain_steps: int = 0,
+        first_values: dict[str, float] | None = None,
+    ) -> None:  # fmt: skip
+        """`first_values`: the critic's value at each trajectory's first action token (arms with a critic)."""
         now = time.time()
+        first_values = first_values or {}
         for t in batch:
             h = t.header
             acted = t.weight_versions[t.action_mask]
+            extra: dict[str, Any] = {"metadata": dict(h.metadata)} if h.metadata else {}
+            if h.trajectory_id in first_values:
+                extra["value_first"] = first_values[h.trajectory_id]
             self.file.write(json.dumps({
                 "id": h.trajectory_id, "prompt_id": h.prompt_id, "sample": h.sample_index, "worker": h.worker_id,
                 "step_version": version, "pretrain": pretrain, "pretrain_steps": pretrain_steps,
@@ -222,7 +230,7 @@ class TrajectoryLedger:
                 "tokens": h.num_tokens, "action_tokens": int(t.action_mask.sum()), "turns": len(h.turns),
                 "reward": h.reward, "started_at": h.timings.started_at, "finished_at": h.timings.finished_at,
                 "sent_at": h.timings.sent_at, "trained_at": now, "gen_s": sum(turn.generate_s for turn in h.turns),
-                "tool_s": sum(turn.tool_s for turn in h.turns),
+                "tool_s": sum(turn.tool_s for turn in h.turns), **extra,
             }) + "\n")  # fmt: skip
         self.file.flush()
 

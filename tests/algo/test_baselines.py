@@ -81,3 +81,17 @@ def test_running_mean_baseline_resumes_from_state_dict() -> None:
         RunningMeanBaseline(4).load_state_dict(first.state_dict())
     with pytest.raises(ValueError, match="window"):
         RunningMeanBaseline(0)
+
+
+def test_keyed_running_mean_keeps_one_window_per_key() -> None:
+    from megatron_sao.algo import KeyedRunningMeanBaseline
+
+    b = KeyedRunningMeanBaseline(window=2)
+    adv = b.advantages(torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0]), ["easy", "hard", "easy", "hard", "easy"])
+    # easy: 1 - 0, 1 - 1, 1 - 1; hard: 0 - 0, 0 - 0 (never the other key's rewards)
+    assert adv.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    again = KeyedRunningMeanBaseline(window=2)
+    again.load_state_dict(b.state_dict())
+    assert again.advantages(torch.tensor([0.0]), ["easy"]).tolist() == [-1.0]
+    with pytest.raises(ValueError, match="one key per trajectory"):
+        b.advantages(torch.tensor([1.0]), [])

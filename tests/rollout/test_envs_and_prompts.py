@@ -175,3 +175,32 @@ def test_key_chain_lengths_are_long_tailed_and_its_demonstrator_errs_at_the_set_
         solved.append(ep.reward())
     expected = sum(w * 0.9 ** (h + 1) for h, w in enumerate(HOP_WEIGHTS, start=1))  # h lookups + 1 answer, all right
     assert abs(sum(solved) / len(solved) - expected) < 0.05
+
+
+def test_key_chain_with_visible_difficulty_draws_lengths_alike_and_errs_by_length() -> None:
+    import random
+    from collections import Counter, defaultdict
+
+    rates = [0.0, 0.05, 0.1, 0.2, 0.3, 0.4]
+    env = make_env("key_chain", {"hops": "uniform", "show_hops": True, "mistakes_by_hops": rates})
+    hops = Counter(r["hops"] for r in env.make_prompts(3000, seed=2))
+    assert all(abs(hops[h] / 3000 - 1 / 6) < 0.03 for h in range(1, 7)), hops
+    rng = random.Random(1)
+    solved: dict[int, list[float]] = defaultdict(list)
+    for rec in env.make_prompts(1800, seed=4):
+        ep = env.start(rec)
+        text = ep.messages[-1]["content"]
+        assert text == f"Start: {rec['start']} (hops: {rec['hops']})"
+        while True:
+            turn = env.demonstrate(text, rng, 0.9)  # the table overrides the global rate
+            step = ep.step(turn)
+            if step.done:
+                break
+            text += turn + (step.observation or "")
+        solved[rec["hops"]].append(ep.reward())
+    for h, rate in enumerate(rates, start=1):
+        assert abs(sum(solved[h]) / len(solved[h]) - (1 - rate) ** (h + 1)) < 0.08, (h, sum(solved[h]) / len(solved[h]))
+    with pytest.raises(ValueError, match="needs show_hops"):
+        make_env("key_chain", {"mistakes_by_hops": rates})
+    with pytest.raises(ValueError, match="one rate in"):
+        make_env("key_chain", {"show_hops": True, "mistakes_by_hops": [0.1]})

@@ -11,6 +11,11 @@ or the number into the answer. A model learns the format from demonstrations (`d
 tools/warm_start.py), and RL then fixes what the demonstrations got wrong. Option `tool_latency_s`: every lookup
 takes that long, as real tools (sandboxes, search) do; the episodes' durations then follow the long tail of their
 lookup counts (benchmarks/pipeline_efficiency.py uses it).
+
+A variant where a learned value can beat a running mean (experiments/critic_matters.py): `hops: uniform` draws
+chains of 1..max_hops lookups alike, `show_hops: true` ends the prompt with the chain's length (`(hops: 3)`), so the
+difficulty is visible before the first token, and `mistakes_by_hops` gives the demonstrator a per-turn mistake rate
+for each length (tools/warm_start.py then makes a model whose success falls with the length).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ HOP_WEIGHTS = (0.40, 0.25, 0.15, 0.10, 0.06, 0.04)
 """P(chain of 1, 2, ... 6 lookups): long-tailed, as agentic episodes are."""
 _RESPONSE = re.compile(r"<tool_response>(.*?)</tool_response>", re.S)
 _START = re.compile(r"Start: ([a-z]+)")
+_HOPS = re.compile(r"\(hops: (\d+)\)")
 _ONE_TAG = re.compile(r"<(tool_call|answer)>[^<>]*</\1>")
 
 
@@ -76,18 +82,32 @@ class KeyChainEpisode(Episode):
 class KeyChainEnv(Environment):
     name = "key_chain"
 
-    def __init__(self, key_length: int = 2, max_hops: int = 6, tool_latency_s: float = 0.0) -> None:
+    def __init__(
+        self, key_length: int = 2, max_hops: int = 6, tool_latency_s: float = 0.0, hops: str = "long_tail",
+        show_hops: bool = False, mistakes_by_hops: list[float] | None = None,
+    ) -> None:  # fmt: skip
         if not 1 <= max_hops <= len(HOP_WEIGHTS):
             raise ValueError(f"max_hops={max_hops} must be in 1..{len(HOP_WEIGHTS)}")
         if tool_latency_s < 0:
             raise ValueError(f"tool_latency_s={tool_latency_s} must be >= 0")
+        if hops not in ("long_tail", "uniform"):
+            raise ValueError(f"rollout.env.options hops={hops!r}: use 'long_tail' or 'uniform'")
+        if mistakes_by_hops is not None:
+            if not show_hops:
+                raise ValueError("rollout.env.options mistakes_by_hops needs show_hops: true (the demonstrator reads "
+                                 "the length from the prompt)")  # fmt: skip
+            if len(mistakes_by_hops) != max_hops or not all(0.0 <= m <= 1.0 for m in mistakes_by_hops):
+                raise ValueError(f"rollout.env.options mistakes_by_hops={mistakes_by_hops}: one rate in [0, 1] per "
+                                 f"chain length 1..{max_hops}")  # fmt: skip
         self.key_length, self.max_hops, self.tool_latency_s = key_length, max_hops, tool_latency_s
+        self.weights = HOP_WEIGHTS[:max_hops] if hops == "long_tail" else (1.0,) * max_hops
+        self.show_hops, self.mistakes_by_hops = show_hops, mistakes_by_hops
 
     def make_prompts(self, n: int, seed: int = 0) -> list[dict[str, Any]]:
         rng = random.Random(seed)
         out = []
         for i in range(n):
-            hops = rng.choices(range(1, self.max_hops + 1), weights=HOP_WEIGHTS[: self.max_hops])[0]
+            hops = rng.choices(range(1, self.max_hops + 1), weights=self.weights)[0]
             taken: set[str] = set()
             keys = [_key(rng, taken, self.key_length) for _ in range(hops)]
             number = rng.randint(10, 99)
@@ -96,10 +116,16 @@ class KeyChainEnv(Environment):
         return out
 
     def demonstrate(self, context: str, rng: Any, mistake_rate: float) -> str:
+        if self.mistakes_by_hops is not None:
+            shown = _HOPS.search(context)
+            if shown is None:
+                raise ValueError("a key_chain context without its '(hops: N)' (show_hops) for mistakes_by_hops")
+            mistake_rate = self.mistakes_by_hops[int(shown.group(1)) - 1]
         return demonstrate(context, rng, mistake_rate)
 
     def start(self, prompt: dict[str, Any]) -> KeyChainEpisode:
-        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Start: {prompt['start']}"}]
+        user = f"Start: {prompt['start']}" + (f" (hops: {prompt['hops']})" if self.show_hops else "")
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
         return KeyChainEpisode(messages=messages, metadata={"env": self.name, "hops": int(prompt["hops"])},
                                chain=dict(prompt["chain"]), answer=int(prompt["answer"]),
                                tool_latency_s=self.tool_latency_s)  # fmt: skip
