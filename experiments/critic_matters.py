@@ -162,7 +162,8 @@ def summarize(label: str, runs: list[Run], window: int) -> dict[str, Any]:
             "pretrain_tokens": float(r.tokens_at(np.array([max((t["finished_at"] - r.start for t in pretrain),
                                                                default=0.0)]))[0]),
             "final_reward": float(smooth[-1]) if smooth.size else None,
-            "best_reward": float(smooth.max()) if smooth.size else None,
+            "best_reward": float(smooth[window - 1 :].max()) if smooth.size >= window else None,  # full windows
+            "second_half_reward": float(np.mean([t["reward"] for t in _second_half(r)])) if smooth.size else None,
             "stale_fraction": stale_fraction(r),
             "explained_variance": float(np.mean(ev)) if ev else None,
             "explained_variance_first_token": float(np.mean(ev_first)) if ev_first else None,
@@ -173,10 +174,14 @@ def summarize(label: str, runs: list[Run], window: int) -> dict[str, Any]:
 
 def table(summaries: list[dict[str, Any]]) -> str:
     rows = [
-        "| arm | seeds | final reward | best reward | policy steps | tokens (pre-training) | wall (s) | "
-        "stale dropped | EV (2nd half) | EV first token | V(first) vs success: r / gap |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| arm | seeds | final reward | best reward | 2nd-half reward | policy steps | tokens (pre-training) | "
+        "wall (s) | stale dropped | EV (2nd half) | EV first token | V(first) vs success: r / gap |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def cell(values: list[Any]) -> str:
+        return "–" if all(v is None for v in values) else mean_spread(values)
+
     for s in summaries:
         col = {k: [seed[k] for seed in s["seeds"]] for k in s["seeds"][0]}
         track = [t for t in col["value_tracking"] if t is not None]
@@ -186,11 +191,11 @@ def table(summaries: list[dict[str, Any]]) -> str:
             tracking = f"{corr} / {mean_spread([t['gap'] for t in track])}"
         stale = [f * 100 for f in col["stale_fraction"] if f is not None]
         rows.append(
-            f"| `{s['arm']}` | {len(s['seeds'])} | **{mean_spread(col['final_reward'])}** | "
-            f"{mean_spread(col['best_reward'])} | {mean_spread(col['policy_steps'])} | "
-            f"{mean_spread(col['generated_tokens'])} ({mean_spread(col['pretrain_tokens'])}) | "
-            f"{mean_spread(col['wall_s'])} | {mean_spread(stale)}% | {mean_spread(col['explained_variance'])} | "
-            f"{mean_spread(col['explained_variance_first_token'])} | {tracking} |"
+            f"| `{s['arm']}` | {len(s['seeds'])} | **{cell(col['final_reward'])}** | {cell(col['best_reward'])} | "
+            f"{cell(col['second_half_reward'])} | {cell(col['policy_steps'])} | "
+            f"{cell(col['generated_tokens'])} ({cell(col['pretrain_tokens'])}) | "
+            f"{cell(col['wall_s'])} | {cell(stale)}% | {cell(col['explained_variance'])} | "
+            f"{cell(col['explained_variance_first_token'])} | {tracking} |"
         )
     return "\n".join(rows)
 
@@ -281,8 +286,8 @@ def main() -> None:
         + f"; the difficulty explains **R^2 = {found['r2']:.2f}** of the reward variance. Seeds "
         f"{', '.join(map(str, range(args.seeds)))}; budget {args.tokens} generated tokens per run (pre-training's "
         f"included, shown in brackets); tool latency {args.tool_latency} s per lookup; final / best reward = rolling "
-        f"mean of {args.window} trained trajectories; EV and V(first) over each run's second half; mean ± std over "
-        "seeds."
+        f"mean of {args.window} trained trajectories (best: over full windows), 2nd-half reward = mean over each run's "
+        "second half of its trained trajectories; EV and V(first) over that half too; mean ± std over seeds."
     )
     data = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "probe": found,
             "arms": summaries}  # fmt: skip

@@ -158,7 +158,7 @@ def main() -> None:
         for label, overrides in arms.items():
             steps = ("--learner.max_steps", str(len(STYLES) * args.period))
             tokens = ("--rollout.sampling.max_new_tokens", str(args.max_new_tokens))
-            tokens += ("--learner.policy.lr", str(args.lr))
+            tokens += ("--learner.policy.lr", str(args.lr), "--learner.value.lr", str(5 * args.lr))  # critic 5x
             schedule = {"styles": STYLES, "period": args.period, "schedule": "version"}
             spec = RunSpec(label, STYLE, model, (*overrides, *steps, *tokens), seed, env_options=schedule)
             by_arm[label].append(run_arm(spec, args.runs / f"{label}-s{seed}", log=lambda m: print(m, flush=True)))
@@ -169,7 +169,8 @@ def main() -> None:
     walls = {label: [r.wall_s for r in runs] for label, runs in by_arm.items()}
     note = (
         f"Seeds {', '.join(map(str, range(args.seeds)))}; a switch every {args.period} versions "
-        f"({len(STYLES) * args.period} versions per run); policy lr {args.lr}; run wall times (s): "
+        f"({len(STYLES) * args.period} versions per run); policy lr {args.lr}, critic lr {5 * args.lr} (5x), value "
+        "clip 0.5 (algo.value.clip, rewards in [0, 1]); run wall times (s): "
         + "; ".join(f"{label} {mean_spread(w)}" for label, w in walls.items())
         + "."
     )

@@ -163,21 +163,30 @@ def physics(cfg: Any, plan: Any, arch: Any, gpu: str, engine_gpu: str, mfu: floa
     separate = plan.value_layout is not None  # learner.value_on_separate_ranks: the critic on value_world GPUs
     value_rate = (plan.value_world if separate else plan.world) * GPUS[gpu][0] * mfu
 
-    def step_s(arm: str, n: int, tokens: int) -> float:
-        flops = 2 * counts.active * tokens
-        policy = flops * fwd_bwd / policy_rate
-        if arm != "sao":
-            return policy + 0.5  # + optimizer steps and collectives
-        update, values = flops * fwd_bwd / value_rate, flops * values_fwd / value_rate
-        if not separate:
-            return values + k * update + policy + 0.5
-        # the policy job waits for the advantages (the values, or the first update that gives them), then updates
-        # while the value job does the rest of its K updates
-        waited = values if values_fwd else update
-        return waited + max(policy, k * update - (0 if values_fwd else update)) + 0.5
-
     sync = plan.sync.seconds if plan.sync else 0.0
-    return engine, lambda scale: LearnerModel(step_s, push_s=sync * scale, push_every=cfg.weight_sync.interval)
+    every = cfg.weight_sync.interval
+
+    def learner_at(scale: float) -> LearnerModel:
+        push = sync * scale
+
+        def step_s(arm: str, n: int, tokens: int) -> float:
+            flops = 2 * counts.active * tokens
+            policy = flops * fwd_bwd / policy_rate
+            if arm != "sao":
+                return policy + 0.5  # + optimizer steps and collectives
+            update, values = flops * fwd_bwd / value_rate, flops * values_fwd / value_rate
+            if not separate:
+                return values + k * update + policy + 0.5
+            # the policy job waits for the advantages (the values, or the first update that gives them), then
+            # updates and pushes while the value job does the rest of its K updates: the push (added by the
+            # simulator after the step) hides that much of the critic's tail
+            waited = values if values_fwd else update
+            rest = k * update - (0 if values_fwd else update)
+            return waited + max(policy, rest - push / every) + 0.5
+
+        return LearnerModel(step_s, push_s=push, push_every=every)
+
+    return engine, learner_at
 
 
 def _routed(arch: Any) -> int:

@@ -103,3 +103,24 @@ def test_missing_model_config_is_a_clear_error(capsys: pytest.CaptureFixture[str
     rc, out = plan_cli(capsys, str(config), "--nodes", "6", "--hf-config", str(ROOT / "examples/qwen3_30b"
                                                                                "/hf_config.json"))  # fmt: skip
     assert rc == 0, out
+
+
+def test_a_critic_on_its_own_ranks_is_planned_at_its_own_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--learner.value_on_separate_ranks", "true", "--launch.value_nnodes", "2", "--launch.value_nproc_per_node",
+            "8", "--learner.value_parallel.tensor", "4", "--learner.value_parallel.expert", "8",
+            "--learner.value_parallel.expert_tensor", "1"]  # fmt: skip
+    cfg = load_config(QWEN, argv)
+    hf = json.loads((ROOT / "examples/qwen3_30b/hf_config.json").read_text())
+    separate = make_plan(cfg, hf, Hardware(nodes=8))
+    shared = make_plan(load_config(QWEN, []), hf, Hardware(nodes=6))
+    assert separate.value_world == 16 and separate.value_layout.dp == 4 and separate.value_layout.ep == 8
+    # the learner's GPUs hold the policy alone; the value job's the critic alone, with no push staging
+    assert all(s.critic is None for s in separate.stages) and all(s.critic for s in shared.stages)
+    assert all(s.policy is None and s.critic and s.sync_staging == 0 for s in separate.value_stages)
+    assert separate.worst_stage.total < shared.worst_stage.total
+    rc, out = plan_cli(capsys, QWEN, "--nodes", "8", *argv)
+    assert rc == 0, out
+    assert "value job (learner.value_on_separate_ranks): 16 ranks, TP=4 PP=1 EP=8 DP=4" in out
+    assert "value job memory per GPU" in out
+    rc, out = plan_cli(capsys, QWEN, "--nodes", "6", *argv)  # 4 learner + 2 value + 2 engine nodes do not fit in 6
+    assert rc == 1 and "launch.value_nnodes" in out, out
