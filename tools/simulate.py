@@ -240,8 +240,9 @@ def project(args: argparse.Namespace) -> int:
         return out
 
     base_run = scenarios(learner_at(1.0), 1.0)
+    learners = f"{plan.world} x {args.gpu}" + (f" + value job {plan.value_world}" if plan.value_layout else "")
     print(f"{args.config}: {engines} engines x TP={cfg.rollout.sglang.tp} ({in_flight} episodes in flight), learner "
-          f"{plan.world} x {args.gpu} at MFU {args.mfu}, engines on {engine_gpu}; episodes: {turns:.1f} turns on "
+          f"{learners} at MFU {args.mfu}, engines on {engine_gpu}; episodes: {turns:.1f} turns on "
           "average (recorded tail), "
           f"{args.gen_tokens_per_turn} generated + {args.prefill_tokens_per_turn} prefilled tokens and a "
           f"{args.tool_s:g} s tool call per turn; push {plan.sync.seconds if plan.sync else 0:.1f} s every "

@@ -90,3 +90,20 @@ def test_online_adaptation_quick(tmp_path: Path) -> None:
         assert [s["switch"] for s in seed] == ["cute -> chuunibyou", "chuunibyou -> classical"]
     section = _section(results, "online_adaptation_quick")
     assert section.count("\n| `") == 6  # 3 arms x 2 switches
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_critic_matters_quick(tmp_path: Path) -> None:
+    out, results, figures = _quick("critic_matters.py", tmp_path)
+    _png(figures / "critic_matters_quick.png")
+    data = json.loads((figures / "critic_matters_quick.json").read_text())
+    assert 0.0 <= data["probe"]["r2"] <= 1.0 and data["probe"]["success_by_hops"]
+    assert [a["arm"] for a in data["arms"]] == ["running_mean", "oracle_mean", "sao", "sao_whiten", "grpo"]
+    by_arm = {a["arm"]: a["seeds"][0] for a in data["arms"]}
+    for arm in ("sao", "sao_whiten"):
+        assert by_arm[arm]["pretrain_trajectories"] > 0  # value pre-training ran and its tokens are counted
+    for arm in ("running_mean", "oracle_mean", "grpo"):
+        assert by_arm[arm]["pretrain_trajectories"] == 0 and by_arm[arm]["explained_variance"] is None
+    section = _section(results, "critic_matters_quick")
+    assert "R^2 = " in section and section.count("\n| `") == 5
