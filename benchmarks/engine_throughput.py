@@ -22,8 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from megatron_sao.distributed.spawn import find_free_port  # noqa: E402
+from megatron_sao.engines.client import SGLangClient  # noqa: E402
 from megatron_sao.models.tiny import make_tiny_model  # noqa: E402
-from megatron_sao.rollout.client import SGLangClient  # noqa: E402
 
 
 def run(client: SGLangClient, prompts: list[list[int]], new_tokens: int, concurrent: bool) -> tuple[int, float]:

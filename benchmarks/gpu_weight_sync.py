@@ -54,9 +54,9 @@ def check_device_push(args: argparse.Namespace) -> None:
     from megatron_sao.config import load_config
     from megatron_sao.distributed import init_distributed
     from megatron_sao.distributed.spawn import find_free_port
+    from megatron_sao.engines.client import SGLangClient
     from megatron_sao.learner.learner import Learner
     from megatron_sao.models.tiny import make_tiny_model
-    from megatron_sao.rollout.client import SGLangClient
     from megatron_sao.weight_sync import WeightSync, hf_dtype_of
 
     work = Path(tempfile.mkdtemp(prefix="gpu-sync-"))

@@ -43,7 +43,7 @@ ARMS = ("sao", "grpo", "grpo_async")
 
 def _arm(arm: str, warm: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     from megatron_sao.distributed.spawn import find_free_port
-    from megatron_sao.rollout.client import SGLangClient
+    from megatron_sao.engines.client import SGLangClient
 
     run_dir = work / arm
     shutil.rmtree(run_dir, ignore_errors=True)

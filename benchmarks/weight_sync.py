@@ -178,8 +178,8 @@ def main() -> None:
 
     from megatron_sao.distributed import spawn_ranks
     from megatron_sao.distributed.spawn import find_free_port
+    from megatron_sao.engines.client import SGLangClient
     from megatron_sao.models.tiny import make_tiny_model
-    from megatron_sao.rollout.client import SGLangClient
 
     work = Path(tempfile.mkdtemp(prefix="bench-sync-"))
     hf_dir = str(make_tiny_model(args.family, work / "model", layers=args.layers, hidden=args.hidden,

@@ -158,7 +158,7 @@ def run_arm(spec: RunSpec, run_dir: Path, log: Any = print) -> Run:
     if done.is_file() and json.loads(done.read_text()).get("spec") == spec.key:
         return load_run(spec, run_dir)
     from megatron_sao.distributed.spawn import find_free_port
-    from megatron_sao.rollout.client import SGLangClient
+    from megatron_sao.engines.client import SGLangClient
 
     shutil.rmtree(run_dir, ignore_errors=True)
     (run_dir / "logs").mkdir(parents=True)
@@ -241,7 +241,7 @@ def _poll_engine(
     client: Any, path: Path, t0: float, budget: int | None, stop: threading.Event, hit: threading.Event
 ) -> None:
     """Every 0.25 s: the engine's generated tokens and busy seconds, as JSON lines; sets `hit` at the budget."""
-    from megatron_sao.rollout.client import EngineError
+    from megatron_sao.engines.client import EngineError
 
     with path.open("w") as out:
         while not stop.is_set():

@@ -4,7 +4,7 @@ config show FILE [--section.key VALUE ...]   print the resolved config tree
 config check FILE [...]                      validate only (exit 2 with the errors)
 platform                                     list the CPU platform patches and whether they apply here
 smoke                                        build and train a tiny megatron-core MoE model for a few steps
-engine --model DIR --port N [...]            embedded CPU engine speaking SGLang's HTTP API (rollout/engine/)
+engine --model DIR --port N [...]            embedded CPU engine speaking SGLang's HTTP API (engines/embedded/)
 run CONFIG [--section.key VALUE ...]         the whole run: on this machine (launch.mode=local), or every role as
                                              an srun step inside a Slurm allocation (launch.mode=slurm; --dry-run
                                              prints the node map and every command)
@@ -83,7 +83,7 @@ def _smoke(ns: argparse.Namespace, rest: list[str]) -> int:
 
 @command("engine")
 def _engine(ns: argparse.Namespace, rest: list[str]) -> int:
-    from megatron_sao.rollout.engine.cli import main as engine_main
+    from megatron_sao.engines.embedded.cli import main as engine_main
 
     return engine_main(rest)
 
@@ -165,8 +165,8 @@ def _run(ns: argparse.Namespace, rest: list[str]) -> int:
     if loaded is None:
         return 2
     cfg, args, overrides = loaded
+    from megatron_sao.engines.sglang_launcher import EngineStartError
     from megatron_sao.learner.errors import NonFiniteTraining
-    from megatron_sao.rollout.sglang_launcher import EngineStartError
 
     try:
         if cfg.launch.mode == "slurm":

@@ -32,9 +32,9 @@ SINGLE_FAULTS = {  # fault -> the tests that inject it (each asserts the named e
     "NaN/Inf gradients: skipped, counted, abort after learner.max_nonfinite_updates":
         ["tests/learner/test_nonfinite.py"],
     "engine: NaN/inf sampling, a burst of 2x max running requests, oversized body, stalled client, huge text":
-        ["tests/rollout/test_engine_hardening.py"],
+        ["tests/engines/test_engine_hardening.py"],
     "engine answering garbage JSON or hanging: taken out, the turn goes to another engine":
-        ["tests/rollout/test_client.py::test_a_garbage_or_hanging_engine_is_taken_out_and_the_turn_goes_to_another"],
+        ["tests/engines/test_client.py::test_a_garbage_or_hanging_engine_is_taken_out_and_the_turn_goes_to_another"],
     "weight push refused or cut at any bucket; engine killed mid-push":
         ["tests/weight_sync/test_weight_sync.py::test_a_push_refused_at_any_bucket_leaves_the_engine_as_it_was",
          "tests/weight_sync/test_weight_sync.py::test_a_push_cut_at_any_bucket_leaves_the_engine_as_it_was",

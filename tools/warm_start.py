@@ -48,9 +48,9 @@ def _inputs(args: argparse.Namespace, cfg: Any, demos: list[Any]) -> dict[str, A
 
 def demonstrations(cfg: Any, tokenizer: Any, n: int, mistake_rate: float, seed: int) -> list[Any]:
     """n episodes of the config's environment played by its demonstrator, as trajectories (tokens + action mask)."""
+    from megatron_sao.engines.protocol import GenerateResult
     from megatron_sao.rollout.agent_loop import AgentLoop, AgentLoopConfig, ChatTemplateCodec
     from megatron_sao.rollout.envs import make_env
-    from megatron_sao.rollout.protocol import GenerateResult
 
     env = make_env(cfg.rollout.env.name, cfg.rollout.env.options)
     rng = random.Random(seed)

@@ -112,6 +112,13 @@ class RolloutConfig(Section):
     max_episode_attempts: int = Field(default=3, ge=1)
     """Times an episode is started from scratch when no engine could finish it (then it is counted as failed)."""
 
+    episode_retry_backoff_s: float = Field(default=1.0, ge=0.0)
+    """Wait before an episode an engine failed is started again: this times its attempt number (a wait for a healthy
+    engine while none is up: this, at most 5 s, without using up an attempt)."""
+
+    batch_gate_poll_s: float = Field(default=0.1, gt=0.0)
+    """Group arms: how often a batch waiting for new weights asks the engines their weight version."""
+
     health_timeout_s: float = Field(default=900.0, gt=0.0)
     """Launched engines must answer /health within this time."""
 

@@ -56,3 +56,8 @@ class WeightSyncConfig(Section):
 
     bucket_timeout_s: float = Field(default=300.0, gt=0)
     """One bucket reaching every engine; past it the group is aborted, the push fails and is retried later."""
+
+    @property
+    def bucket_bytes(self) -> int:
+        """bucket_mb in bytes (MiB: 2**20), the one conversion."""
+        return int(self.bucket_mb * 2**20)

@@ -46,17 +46,16 @@ def one_process_megatron() -> Iterator[None]:
     """torch.distributed with world size 1 and megatron TP=PP=EP=1 for the duration (reused if already set up;
     torn down afterwards only if created here). Both converters run on one process."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
-    from megatron_sao.distributed import destroy_distributed, init_distributed
+    from megatron_sao.distributed import destroy_distributed, init_distributed, initialized_context
 
     if dist.is_initialized() and dist.get_world_size() != 1:
         raise ValueError("checkpoint conversion runs on one process; call it outside multi-rank jobs")
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) != 1:
         raise ValueError("checkpoint conversion runs on one process; run it with plain python, not torchrun / srun")
-    if ps.model_parallel_is_initialized():
-        sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                 ps.get_expert_model_parallel_world_size())  # fmt: skip
+    layout = initialized_context()
+    if layout is not None:
+        sizes = (layout.tp, layout.pp, layout.ep)
         if sizes != (1, 1, 1):
             raise ValueError(f"conversion needs TP=PP=EP=1 parallel state, found TP/PP/EP={sizes}; destroy it first")
         yield

@@ -41,10 +41,12 @@ def hf_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens).logits.float()
 
 
-def megatron_logits(model: Any, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+def megatron_logits(
+    model: Any, tokens: torch.Tensor, vocab_size: int, last_stage: bool | None = None
+) -> torch.Tensor | None:
     """Run `tokens` [batch, seq] through this rank's pipeline stage of `model` (forward only); the last stage
-    returns the full logits [batch, seq, vocab_size] (gathered over TP, padding columns cut), others None."""
-    from megatron.core import parallel_state as ps
+    (`last_stage`; default: the process's layout says) returns the full logits [batch, seq, vocab_size] (gathered
+    over TP, padding columns cut), others None."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
@@ -73,7 +75,11 @@ def megatron_logits(model: Any, tokens: torch.Tensor, vocab_size: int) -> torch.
             forward_only=True,
             collect_non_loss_data=True,
         )
-    return out[0] if ps.is_pipeline_last_stage() else None
+    if last_stage is None:
+        from megatron_sao.distributed import current_context
+
+        last_stage = current_context().is_last_stage()
+    return out[0] if last_stage else None
 
 
 def layout_logits(
@@ -89,10 +95,10 @@ def layout_logits(
     out: dict[str, torch.Tensor | None] = {}
     for name, parallel in layouts.items():
         destroy_distributed(keep_process_group=True)
-        init_distributed(parallel, seed=4321)
+        layout = init_distributed(parallel, seed=4321)
         model = build_model(spec, transformer_config(spec, parallel, perform_initialization=False))
         load_model_weights(model, ckpt_dir, spec=spec)
-        out[name] = megatron_logits(model, tokens, spec.vocab_size)
+        out[name] = megatron_logits(model, tokens, spec.vocab_size, layout.is_last_stage())
     destroy_distributed(keep_process_group=True)
     return out
 

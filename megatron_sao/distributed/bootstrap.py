@@ -2,15 +2,20 @@
 
 Reads the rank layout from torchrun or Slurm variables, activates the platform layer (CPU patches only when
 there is no CUDA), initializes torch.distributed (nccl on GPU, gloo on CPU) and megatron's parallel state
-(TP, PP, virtual PP, CP, EP, expert-TP; DP derived) from `ParallelConfig`, and seeds every RNG.
+(TP, PP, virtual PP, CP, EP, expert-TP; DP derived) from `ParallelConfig`, and seeds every RNG. The layout it sets
+up comes back as a `DistContext`, which callers pass to the learner, checkpointing, metrics and weight sync: the
+stages (learner/, weight_sync/, convert/) never read megatron's parallel_state globals; this module does, and the
+model builders (models/builder.py, smoke.py) ask megatron which pipeline stage's layers to build, the way
+megatron's own model providers do. megatron-core reads them inside its schedules and layers.
 """
 
 from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,10 +42,50 @@ class DistContext:
     dp: int
     vpp: int | None
     sequence_parallel: bool
+    tp_rank: int = 0
+    pp_rank: int = 0
+    cp_rank: int = 0
+    dp_rank: int = 0
+    dp_group: Any = field(default=None, compare=False, repr=False)
+    """This rank's data-parallel group (megatron's, context parallelism excluded); None: the whole world of one."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def is_first_stage(self, vp_stage: int | None = None) -> bool:
+        """The first pipeline stage (and, with virtual stages, `vp_stage` 0): it holds the embedding."""
+        return self.pp_rank == 0 and (self.vpp is None or vp_stage is None or vp_stage == 0)
+
+    def is_last_stage(self, vp_stage: int | None = None) -> bool:
+        """The last pipeline stage (and, with virtual stages, `vp_stage` vpp - 1): it holds the output layer, the
+        value head, the loss."""
+        return self.pp_rank == self.pp - 1 and (self.vpp is None or vp_stage is None or vp_stage == self.vpp - 1)
+
+    @property
+    def holds_outputs(self) -> bool:
+        """The ranks whose loss-function metrics count once: last pipeline stage, TP rank 0, CP rank 0."""
+        return self.is_last_stage() and self.tp_rank == 0 and self.cp_rank == 0
+
+    def sizes(self) -> dict[str, int]:
+        """The model-parallel sizes a checkpoint records (tp, pp, ep, etp, cp)."""
+        return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "etp": self.etp, "cp": self.cp}
+
+
+_CURRENT: DistContext | None = None
+
+
+def initialized_context() -> DistContext | None:
+    """The layout init_distributed set up in this process, None before (or after destroy_distributed)."""
+    return _CURRENT
+
+
+def current_context() -> DistContext:
+    """The layout init_distributed set up in this process. For code whose caller holds no context (a test or a tool
+    building a Learner by hand); the run loops pass theirs."""
+    if _CURRENT is None:
+        raise RuntimeError("no distributed layout: call megatron_sao.distributed.init_distributed(parallel) first")
+    return _CURRENT
 
 
 def _launch_env() -> tuple[int, int, int]:
@@ -106,21 +151,28 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234, timeout_s: floa
             distributed_timeout_minutes=max(1, int(timeout_s // 60)),
         )
     seed_everything(seed, ps.get_pipeline_model_parallel_rank())
-    return DistContext(
+    global _CURRENT
+    _CURRENT = DistContext(
         rank=rank,
         world_size=world_size,
         local_rank=local_rank,
         device=platform.device,
         backend=platform.dist_backend,
-        tp=parallel.tensor,
-        pp=parallel.pipeline,
-        cp=parallel.context,
-        ep=parallel.expert,
-        etp=parallel.resolved_expert_tensor,
-        dp=parallel.data_parallel_size(world_size),
-        vpp=parallel.virtual_pipeline,
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        cp=ps.get_context_parallel_world_size(),
+        ep=ps.get_expert_model_parallel_world_size(),
+        etp=ps.get_expert_tensor_parallel_world_size(),
+        dp=ps.get_data_parallel_world_size(),
+        vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
         sequence_parallel=parallel.use_sequence_parallel,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        cp_rank=ps.get_context_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_group=ps.get_data_parallel_group(),
     )
+    return _CURRENT
 
 
 def destroy_distributed(keep_process_group: bool = False) -> None:
@@ -131,6 +183,8 @@ def destroy_distributed(keep_process_group: bool = False) -> None:
     """
     from megatron.core import parallel_state as ps
 
+    global _CURRENT
+    _CURRENT = None
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     if dist.is_initialized() and not keep_process_group:

@@ -1,6 +1,6 @@
 """SGLang's flattened-bucket layout and weight checksums: what the two ends of a weight push must agree on byte for
 byte (the learner's stage sources pack, the embedded engine unpacks; a real SGLang server unpacks with its own
-`FlattenedTensorBucket`, srt/weight_sync/tensor_bucket.py, which tests/rollout/test_sglang_contract.py runs on our
+`FlattenedTensorBucket`, srt/weight_sync/tensor_bucket.py, which tests/engines/test_sglang_contract.py runs on our
 buffers).
 
 Layout (`load_format="flattened_bucket"` of `/update_weights_from_distributed`, SGLang >= 0.5.6): the tensors of one

@@ -1,7 +1,7 @@
 """The weight-update process group: one trainer rank (rank 0) plus engine ranks, beside the learner's own world.
 
 Shared by the two ends of a weight push: the learner's stage sources (weight_sync/) host it, the embedded engine
-(rollout/engine/weights.py) joins it. Built the way SGLang's engines build theirs for `/init_weights_update_group`
+(engines/embedded/weights.py) joins it. Built the way SGLang's engines build theirs for `/init_weights_update_group`
 (the TCP store of a tcp:// rendezvous, hosted by rank 0 and namespaced by the group name, then a backend group over
 it), so the trainer side meets a real SGLang server and the embedded CPU engine alike; a process can hold several
 such groups next to its default group. torch has no public call for a second, independent group; this uses the

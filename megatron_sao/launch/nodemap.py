@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_sao.config.tree import SAOConfig
-from megatron_sao.rollout.sglang_launcher import engines_per_node
+from megatron_sao.engines.sglang_launcher import engines_per_node
 
 WILDCARD_HOSTS = ("*", "0.0.0.0")
 

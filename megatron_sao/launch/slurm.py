@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from megatron_sao.config.tree import SAOConfig
+from megatron_sao.engines.client import SGLangClient
 from megatron_sao.launch.nodemap import Node, NodeMap, placeholder_nodes, plan
 from megatron_sao.launch.steps import Step, build_steps, describe
-from megatron_sao.rollout.client import SGLangClient
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ class SlurmRun:
 
     def _resume_version(self) -> int:
         """The version the learner resumes at (its checkpoint's), 0 for a fresh run."""
-        from megatron_sao.run.learn import own_checkpoint_dir
+        from megatron_sao.learner.checkpoint import own_checkpoint_dir
 
         latest = Path(self.cfg.learner.load or own_checkpoint_dir(self.cfg)) / "latest"
         if not latest.is_file():

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_sao.config.tree import SAOConfig
+from megatron_sao.engines.sglang_launcher import engine_command
 from megatron_sao.launch.nodemap import NodeMap
-from megatron_sao.rollout.sglang_launcher import engine_command
 
 REPO = Path(__file__).resolve().parents[2]
 

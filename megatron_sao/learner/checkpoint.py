@@ -35,6 +35,7 @@ from megatron_sao.models.checkpoint import (
 )
 
 if TYPE_CHECKING:
+    from megatron_sao.config import SAOConfig
     from megatron_sao.learner.learner import Learner
 
 logger = logging.getLogger(__name__)
@@ -44,21 +45,24 @@ OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable", "chained
 LATEST = "latest"
 
 
+def checkpoint_dir(cfg: SAOConfig) -> Path:
+    """learner.save_dir, else <launch.run_dir>/checkpoints."""
+    return Path(cfg.learner.save_dir or Path(cfg.launch.run_dir) / "checkpoints")
+
+
+def own_checkpoint_dir(cfg: SAOConfig) -> Path:
+    """Where this learner's `latest` lives: checkpoint_dir, or its `policy` subdirectory for a policy job beside a
+    value job (learner.value_on_separate_ranks; the value job's is `value`)."""
+    return checkpoint_dir(cfg) / "policy" if cfg.learner.value_on_separate_ranks else checkpoint_dir(cfg)
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into this learner; the message says why and what to do."""
 
 
-def _layout() -> dict[str, int]:
-    from megatron.core import parallel_state as ps
-
-    return {
-        "world": dist.get_world_size(),
-        "tp": ps.get_tensor_model_parallel_world_size(),
-        "pp": ps.get_pipeline_model_parallel_world_size(),
-        "ep": ps.get_expert_model_parallel_world_size(),
-        "etp": ps.get_expert_tensor_parallel_world_size(),
-        "cp": ps.get_context_parallel_world_size(),
-    }
+def _layout(learner: Learner) -> dict[str, int]:
+    """The layout a checkpoint records (world and model-parallel sizes): RNG states only load into the same one."""
+    return {"world": learner.layout.world_size, **learner.layout.sizes()}
 
 
 def _rng_state() -> dict[str, Any]:
@@ -108,7 +112,7 @@ def _common_state(learner: Learner, extra: dict[str, Any] | None) -> dict[str, A
         "version": learner.version,
         "trajectories_trained": learner.trajectories_trained,
         "value_head_fitted": learner.value_head_fitted,
-        "layout": _layout(),
+        "layout": _layout(learner),
         "model": {"family": learner.spec.family.name, "hf_config": learner.spec.hf, "dtype": learner.spec.dtype},
         HF_SOURCE_KEY: learner.hf_source or hf_source_record(learner.spec, {}),
         "algo": learner.cfg.algo.name,
@@ -357,10 +361,12 @@ def load_checkpoint(learner: Learner, path: str | Path, load_optimizer: bool = T
     state = _sharded_state(learner, is_loading=True)
     if not load_optimizer:
         state = {k: v for k, v in state.items() if not k.endswith("_optimizer")}
-    same_layout = common["layout"] == _layout()
+    same_layout = common["layout"] == _layout(learner)
     if not same_layout:
         state.pop("rng")
-        logger.warning("checkpoint layout %s differs from %s: RNG states not restored", common["layout"], _layout())
+        logger.warning(
+            "checkpoint layout %s differs from %s: RNG states not restored", common["layout"], _layout(learner)
+        )
     loaded = dist_checkpointing.load(state, str(path))
     for role in (learner.policy, learner.value):
         if role is None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from megatron_sao.distributed.bootstrap import current_context
 from megatron_sao.learner.packing import MicroBatch
 
 LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]
@@ -16,7 +17,8 @@ LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, torch.Tensor, 
 step's total token count (calculate_per_token_loss)."""
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_size: int) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_size: int,
+                   tp_rank: int | None = None) -> torch.Tensor:  # fmt: skip
     """log softmax(logits / temperature)[target] per position, from vocab-parallel logits.
 
     Args:
@@ -24,15 +26,16 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
         targets: int64 with the leading shape of logits: the token each position predicts.
         temperature: the engines' sampling temperature (rollout.sampling.temperature).
         vocab_size: the real vocabulary; padded rows past it are excluded from the softmax.
+        tp_rank: this rank's tensor-parallel rank, which says which vocabulary slice it holds (default: the
+            process's layout, distributed.current_context()).
     Returns:
         float32 with the leading shape of logits. Gradient flows into logits.
     """
-    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     scaled = logits.float() / temperature
     part = scaled.shape[-1]
-    first = ps.get_tensor_model_parallel_rank() * part
+    first = (current_context().tp_rank if tp_rank is None else tp_rank) * part
     if first + part > vocab_size:  # this rank holds padding rows
         cols = torch.arange(first, first + part, device=scaled.device)
         scaled = scaled.masked_fill(cols >= vocab_size, float("-inf"))

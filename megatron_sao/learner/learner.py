@@ -11,6 +11,7 @@ Built by the training entry point; checkpointed by learner/checkpoint.py.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -34,10 +35,11 @@ from megatron_sao.algo import (
 from megatron_sao.bus.schema import Trajectory
 from megatron_sao.config.parallel import ParallelConfig
 from megatron_sao.config.tree import SAOConfig
+from megatron_sao.distributed.bootstrap import DistContext, current_context
 from megatron_sao.learner.batch import StepBatch, check_trainable, make_step_batch, select, shard_for_data_parallel
 from megatron_sao.learner.errors import NonFiniteTraining
 from megatron_sao.learner.forward import collect_values
-from megatron_sao.learner.metrics import all_reduce_scalar, explained_variance, holds_outputs, reduce_metrics
+from megatron_sao.learner.metrics import all_reduce_scalar, explained_variance, reduce_metrics
 from megatron_sao.learner.packing import MicroBatch, pack_microbatches, plan_microbatches
 from megatron_sao.learner.roles import RoleModel, build_role
 from megatron_sao.learner.step import ev_totals, first_action_tokens, policy_update, value_update
@@ -58,7 +60,7 @@ class StepPlan:
     mbs: list[MicroBatch]
     metrics: dict[str, float]
     sequence_advantages: torch.Tensor | None  # critic-free arms: [num_trajectories]
-    holds_outputs: bool  # metrics.holds_outputs(): the loss functions' values live on this rank
+    holds_outputs: bool  # DistContext.holds_outputs: the loss functions' values live on this rank
 
 
 def check_learner_parallelism(parallel: ParallelConfig) -> None:
@@ -106,25 +108,25 @@ def _gather_on_rank0(local: dict[str, float]) -> dict[str, float]:
     return {k: v for part in parts or [] for k, v in part.items()}
 
 
-def _data_parallel_sum(stats: torch.Tensor) -> torch.Tensor:
+def _data_parallel_sum(stats: torch.Tensor, group: Any) -> torch.Tensor:
     """algo.Moments over this stage's data-parallel ranks: whitening sees the whole step, not this rank's shard."""
-    from megatron.core import parallel_state as ps
-
     out = stats.to(_device())
-    dist.all_reduce(out, group=ps.get_data_parallel_group())
+    dist.all_reduce(out, group=group)
     return out.cpu()
 
 
 class Learner:
     """Owns the roles on this rank, the policy weight version and the critic-free baselines' state."""
 
-    def __init__(self, cfg: SAOConfig, spec: ModelSpec | None = None, roles: Collection[str] | None = None) -> None:
+    def __init__(self, cfg: SAOConfig, spec: ModelSpec | None = None, roles: Collection[str] | None = None,
+                 layout: DistContext | None = None) -> None:  # fmt: skip
         """`roles`: the models built on these ranks. Default both (the critic only for algo.name=sao); with
         learner.value_on_separate_ranks the policy job (run/learn.py) builds {"policy"} and the value job
-        (run/critic.py) {"value"}."""
+        (run/critic.py) {"value"}. `layout`: what init_distributed returned (default: the process's current one)."""
         roles = self._roles(cfg, roles)
         check_learner_parallelism(cfg.parallel)
         self.cfg = cfg
+        self.layout = layout or current_context()
         self.spec = spec or ModelSpec.from_config(cfg.model)
         self.use_thd = uses_transformer_engine(self.spec)  # the same decision build_role's layer specs follow
         learner, algo = cfg.learner, cfg.algo
@@ -259,9 +261,7 @@ class Learner:
         if plan is None or isinstance(plan, dict):
             return plan or {}
         adv = torch.zeros_like(plan.batch.rollout_logprobs)
-        from megatron.core import parallel_state as ps
-
-        if ps.is_pipeline_last_stage(ignore_virtual=True):  # every TP rank of the last stage computes the loss
+        if self.layout.is_last_stage():  # every TP rank of the last stage computes the loss
             for row, traj_id in enumerate(plan.batch.trajectory_ids):
                 if traj_id not in advantages:
                     raise ValueError(f"no advantages for trajectory {traj_id}: the value job did not send them")
@@ -278,17 +278,16 @@ class Learner:
         """Shard, tensorize and pack; returns the step's metrics alone when it has nothing to train on."""
         if not trajectories:
             raise ValueError("a learner step needs at least one trajectory")
-        from megatron.core import parallel_state as ps
-
+        layout = self.layout
         trajectories, invalid = self._trainable(trajectories)
         if not trajectories:
             return {"step/invalid_trajectories": float(invalid), "step/skipped": 1.0}
         seq_adv = self._sequence_advantages(trajectories)
-        shards = shard_for_data_parallel([t.header.num_tokens for t in trajectories], ps.get_data_parallel_world_size())
-        mine = shards[ps.get_data_parallel_rank()]
+        shards = shard_for_data_parallel([t.header.num_tokens for t in trajectories], layout.dp)
+        mine = shards[layout.dp_rank]
         batch = make_step_batch(select(trajectories, mine), self.cfg.model.max_seq_len, checked=True)
         mbs = self._microbatches(batch)
-        total_actions = all_reduce_scalar(batch.num_action_tokens(), group=ps.get_data_parallel_group())
+        total_actions = all_reduce_scalar(batch.num_action_tokens(), group=layout.dp_group)
         metrics: dict[str, float] = {
             "step/trajectories": float(len(trajectories)),
             "step/action_tokens": total_actions,
@@ -300,7 +299,7 @@ class Learner:
         if total_actions == 0:
             logger.warning("step skipped: its %d trajectories hold no generated tokens", len(trajectories))
             return {**metrics, "step/skipped": 1.0}
-        return StepPlan(len(trajectories), mine, batch, mbs, metrics, seq_adv, holds_outputs())
+        return StepPlan(len(trajectories), mine, batch, mbs, metrics, seq_adv, layout.holds_outputs)
 
     def _policy_update(self, plan: StepPlan, advantages: torch.Tensor) -> None:
         assert self.policy is not None
@@ -308,7 +307,7 @@ class Learner:
             self.policy, plan.mbs, plan.batch, advantages, self.cfg.algo, self.cfg.rollout.sampling.temperature,
             self.spec.vocab_size,
         )  # fmt: skip
-        plan.metrics.update(reduce_metrics(results))
+        plan.metrics.update(reduce_metrics(results, plan.holds_outputs))
         plan.metrics.update(self._nonfinite("policy", ok))
         plan.metrics.update(
             {
@@ -333,14 +332,12 @@ class Learner:
         (lambda_critic = 1: returns are reward sums) -- the same numbers a separate forward would give, one pass
         fewer. Not when the advantages go to a policy job that would wait for that update and K = 1 (it could not
         overlap anything then): values_old come first from a forward-only pass, as with lambda_critic < 1."""
-        from megatron.core import parallel_state as ps
-
         assert self.value is not None
         algo = self.cfg.algo
         k_updates = algo.value.updates_per_policy_step
         batch, mbs, metrics = plan.batch, plan.mbs, plan.metrics
         gae_mask = batch.action_mask if algo.gae.skip_observations else gae_span(batch.action_mask)
-        on_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        on_last_stage = self.layout.is_last_stage()
         rewards = None
         if on_last_stage:
             rewards = token_rewards(batch.action_mask, batch.rewards, batch.turn_rewards, batch.turn_index)
@@ -365,8 +362,9 @@ class Learner:
         stats: list[dict[str, tuple[float, float]]] = []
         if on_last_stage:
             assert rewards is not None
+            moments = functools.partial(_data_parallel_sum, group=self.layout.dp_group)
             targets = compute_step_targets(rewards, old_values, gae_mask, algo, policy_mask=batch.action_mask,
-                                           moments=_data_parallel_sum)  # fmt: skip
+                                           moments=moments)  # fmt: skip
             advantages, returns = targets.advantages, targets.returns
             tokens = float(batch.action_mask.sum())  # gae/*: token-weighted over the ranks that hold outputs
             stats = [{name: (float(v) * tokens, tokens) for name, v in targets.metrics.items()}] if tokens else []
@@ -374,7 +372,7 @@ class Learner:
             stats.append(ev_totals("value/ev_", old_values, returns, gae_mask))
             stats.append(ev_totals("value/ev_first_", old_values, returns, first))
         self.first_values = _gather_on_rank0(_first_values(batch, old_values) if plan.holds_outputs else {})
-        reduced = reduce_metrics(stats)
+        reduced = reduce_metrics(stats, plan.holds_outputs)
         explained_variance(reduced, "value/ev_", "value/explained_variance")
         explained_variance(reduced, "value/ev_first_", "value/explained_variance_first_token")
         metrics.update(reduced)
@@ -400,7 +398,8 @@ class Learner:
         clip = self.cfg.algo.value.clip
         results, ok, grad_norm = value_update(self.value, plan.mbs, plan.batch, returns, old_values, clip,
                                               value_mask=mask, record_values=record)  # fmt: skip
-        reduced = explained_variance(reduce_metrics(results), "value/ev_", "value/explained_variance_post")
+        reduced = explained_variance(reduce_metrics(results, plan.holds_outputs), "value/ev_",
+                                     "value/explained_variance_post")  # fmt: skip
         if k == 0:
             plan.metrics["loss/value_first"] = reduced["loss/value"]
         plan.metrics.update(reduced)
@@ -413,13 +412,11 @@ class Learner:
         to the mean critic target of this first batch (token-weighted over `mask`, every data-parallel rank), so
         the critic starts at the best constant instead of an arbitrary one. `returns` exist on the last pipeline
         stage (where the head lives), None elsewhere."""
-        from megatron.core import parallel_state as ps
-
         assert self.value is not None
         if returns is not None:
             sums = torch.tensor([float(returns[mask].double().sum()), float(mask.sum())], dtype=torch.float64)
             sums = sums.to(_device())
-            dist.all_reduce(sums, group=ps.get_data_parallel_group())
+            dist.all_reduce(sums, group=self.layout.dp_group)
             mean = float(sums[0] / sums[1]) if sums[1] > 0 else 0.0
             with torch.no_grad():
                 self.value.model.output_layer.bias.fill_(mean)

@@ -13,20 +13,10 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def holds_outputs() -> bool:
-    """Ranks whose loss-function metrics count once: last pipeline stage, TP rank 0, CP rank 0."""
-    from megatron.core import parallel_state as ps
-
-    return (
-        ps.is_pipeline_last_stage(ignore_virtual=True)
-        and ps.get_tensor_model_parallel_rank() == 0
-        and ps.get_context_parallel_rank() == 0
-    )
-
-
-def reduce_metrics(per_microbatch: list[WeightedMetrics], prefix: str = "") -> dict[str, float]:
-    """Collective over the world: every rank must call it with its (possibly empty) list."""
-    contributes = holds_outputs()
+def reduce_metrics(per_microbatch: list[WeightedMetrics], holds_outputs: bool, prefix: str = "") -> dict[str, float]:
+    """Collective over the world: every rank must call it with its (possibly empty) list; `holds_outputs`
+    (DistContext.holds_outputs): this rank's values count (last stage, TP rank 0, CP rank 0)."""
+    contributes = holds_outputs
     local: WeightedMetrics = {}
     for m in per_microbatch if contributes else []:
         for name, (v, w) in m.items():

@@ -7,7 +7,9 @@ Three name spaces meet here:
   * megatron's own names on a rank (PP-local layer numbers, EP-local experts, TE fused-norm and grouped-GEMM
     spellings) and dist-checkpoint keys (layers and experts stacked into leading axes).
 Each family module lists its `Rule`s (canonical name <- HF names + a transform); `WeightMapping` expands them
-for one config. The conversion tools, the learner's HF loading and the weight sync to engines all use it.
+for one config. The conversion tools, the learner's HF loading and the weight sync to engines all use it. A fourth,
+transformers' in-memory names (MoE experts fused), is what the embedded engine holds: resolve_in_memory /
+on_disk_names at the end relate it to the on-disk names.
 """
 
 from __future__ import annotations
@@ -339,3 +341,69 @@ def attention_shape(hf: dict[str, Any]) -> AttentionShape:
         num_kv_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
     )
+
+
+# ---------------------------------------------------------------- HF on disk <-> transformers in memory
+# HF checkpoints store MoE experts one by one (`model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight`, gate/up
+# [I, H], down [H, I]). transformers 5 fuses them in memory: `...mlp.experts.gate_up_proj` [num_experts, 2I, H]
+# (gate rows first, then up) and `...mlp.experts.down_proj` [num_experts, H, I]. Every other name is the same on
+# disk and in memory. The embedded engine serves a transformers model and receives on-disk names (what the weight
+# sync sends, whatever the engine's layout): resolve_in_memory maps one to its tensor and the slice it covers.
+
+_HF_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where an on-disk tensor lives in memory: `tensors[key]`, optionally one expert and a row range of it."""
+
+    key: str
+    expert: int | None = None
+    rows: tuple[int, int] | None = None  # [start, end) along dim 0 of the expert's matrix (gate/up halves)
+
+    def view(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        t = tensors[self.key]
+        if self.expert is not None:
+            t = t[self.expert]
+        if self.rows is not None:
+            t = t[self.rows[0] : self.rows[1]]
+        return t
+
+
+def resolve_in_memory(name: str, tensors: dict[str, torch.Tensor]) -> Target:
+    """The in-memory Target of on-disk `name`; KeyError (with the name) when the model has no such weight."""
+    if name in tensors:
+        return Target(name)
+    m = _HF_EXPERT.match(name)
+    if m is None:
+        raise KeyError(name)
+    prefix, expert, proj = m["prefix"], int(m["expert"]), m["proj"]
+    if proj == "down_proj":
+        key = f"{prefix}.down_proj"
+        if key not in tensors or expert >= tensors[key].shape[0]:
+            raise KeyError(name)
+        return Target(key, expert)
+    key = f"{prefix}.gate_up_proj"
+    if key not in tensors or expert >= tensors[key].shape[0] or tensors[key].shape[1] % 2:
+        raise KeyError(name)
+    inter = tensors[key].shape[1] // 2
+    rows = (0, inter) if proj == "gate_proj" else (inter, 2 * inter)
+    return Target(key, expert, rows)
+
+
+def on_disk_names(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every on-disk name the in-memory tensors cover, with its shape and dtype (the inverse of resolve_in_memory)."""
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for key, t in tensors.items():
+        if key.endswith(".experts.gate_up_proj") and t.ndim == 3:
+            prefix, inter = key[: -len(".gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                for proj in ("gate_proj", "up_proj"):
+                    out[f"{prefix}.{e}.{proj}.weight"] = ((inter, t.shape[2]), t.dtype)
+        elif key.endswith(".experts.down_proj") and t.ndim == 3:
+            prefix = key[: -len(".down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = (tuple(t.shape[1:]), t.dtype)
+        else:
+            out[key] = (tuple(t.shape), t.dtype)
+    return out

@@ -227,7 +227,7 @@ def _learner_stages(cfg: SAOConfig, arch: Architecture, layout: Layout, hw: Hard
                   te_layout=use_te, microbatches=-(-learner.trajectories_per_step // layout.dp))  # fmt: skip
     tensors = model_tensors(arch, "policy", tensor_parallel=layout.tp, te_layout=use_te)
     critic_tensors = model_tensors(arch, "value", tensor_parallel=layout.tp, te_layout=use_te)
-    bucket = cfg.weight_sync.bucket_mb * 2**20
+    bucket = cfg.weight_sync.bucket_bytes
     stages = []
     for stage in range(layout.pp):
         policy = critic = None
@@ -378,7 +378,7 @@ def _plan_sync(cfg: SAOConfig, hw: Hardware, plan: Plan) -> None:
     """SGLang's update_weights_from_distributed hands every engine rank full bf16 tensors: each receives the whole
     model, from one source per pipeline stage (concurrent); docs/weight_sync.md."""
     total = plan.counts.total * 2
-    bucket = cfg.weight_sync.bucket_mb * 2**20
+    bucket = cfg.weight_sync.bucket_bytes
     pp = plan.layout.pp if plan.layout else 1
     bandwidth = hw.ib_gbps / 8 * 1e9 * LINK_EFFICIENCY
     receiver = total / bandwidth

@@ -123,9 +123,10 @@ class Scenario:
     """Episodes in flight (sao); the grpo arms launch a batch of `trajectories_per_step` at a time."""
     trajectories_per_step: int
     steps: int
+    max_staleness: int
+    """bus.max_staleness of the run modelled: a trajectory more versions old when its step takes it is dropped."""
     group: int = 1
     """grpo arms: samples per prompt (a batch is trajectories_per_step / group prompts)."""
-    max_staleness: int = 4
     seed: int = 0
 
 
@@ -216,175 +217,198 @@ class _Engine:
 
 def simulate(sc: Scenario, engine: EngineModel, learner: LearnerModel, source: EpisodeSource) -> Result:
     """Run `sc.steps` learner steps of `sc.arm`; every time is simulated seconds from the first episode's start."""
-    rng = random.Random(sc.seed)
-    engines = [_Engine(engine) for _ in range(sc.engines)]
-    events: list[tuple[float, int, str, Any]] = []
-    seq = itertools.count()
-    now = 0.0
-    version = 0  # the learner's policy version (steps taken)
-    engine_version = 0  # what the engines serve
-    result = Result(sc.arm, 0.0, 0, 0, 0, 0.0, 0.0, sc.engines)
-    finished: deque[_Request] = deque()
-    learner_free = True
-    generated = 0.0
-    steps_done = 0
-    batch_outstanding = 0  # grpo arms: episodes of the batch being generated
-    batches_ready: deque[list[_Request]] = deque()
-    batch_buffer: list[_Request] = []
-    batches_launched = 0
-    stopping = False
+    return _Simulation(sc, engine, learner, source).run()
 
-    def push(kind: str, at: float, payload: Any = None) -> None:
-        heapq.heappush(events, (at, next(seq), kind, payload))
 
-    def schedule(e: int) -> None:
-        eng = engines[e]
+class _Simulation:
+    """One run of `simulate`: the event queue and the pipeline's state, one method per event and decision."""
+
+    def __init__(self, sc: Scenario, engine: EngineModel, learner: LearnerModel, source: EpisodeSource) -> None:
+        self.sc, self.model, self.learner, self.source = sc, engine, learner, source
+        self.rng = random.Random(sc.seed)
+        self.engines = [_Engine(engine) for _ in range(sc.engines)]
+        self.events: list[tuple[float, int, str, Any]] = []
+        self.seq = itertools.count()
+        self.now = 0.0
+        self.version = 0  # the learner's policy version (steps taken)
+        self.engine_version = 0  # what the engines serve
+        self.result = Result(sc.arm, 0.0, 0, 0, 0, 0.0, 0.0, sc.engines)
+        self.finished: deque[_Request] = deque()
+        self.learner_free = True
+        self.generated = 0.0
+        self.steps_done = 0
+        self.batch_outstanding = 0  # grpo arms: episodes of the batch being generated
+        self.batches_ready: deque[list[_Request]] = deque()
+        self.batch_buffer: list[_Request] = []
+        self.batches_launched = 0
+        self.stopping = False
+        self.end = 0.0
+
+    def run(self) -> Result:
+        if self.sc.arm == "sao":
+            for _ in range(self.sc.concurrency):
+                self.start_episode(self.source.sample(self.rng)[0])
+        else:
+            self.launch_batch()
+        handlers = {"engine": self.on_engine, "tool": self.submit_turn, "admit": self.begin_turn,
+                    "trained": self.on_trained, "pushed": self.on_pushed}  # fmt: skip
+        while self.events and not self.stopping:
+            self.now, _, kind, payload = heapq.heappop(self.events)
+            handlers[kind](payload)
+        return self.close()
+
+    def close(self) -> Result:
+        for eng in self.engines:
+            self.generated += eng.advance(self.end) if eng.last < self.end else 0.0
+        self.result.window_s = self.end
+        self.result.engine_busy_s = sum(min(e.busy_s, self.end) for e in self.engines)
+        self.result.generated_tokens = int(self.generated)
+        return self.result
+
+    # the event queue
+
+    def push(self, kind: str, at: float, payload: Any = None) -> None:
+        heapq.heappush(self.events, (at, next(self.seq), kind, payload))
+
+    def schedule(self, e: int) -> None:
+        eng = self.engines[e]
         eng.epoch += 1
-        t = eng.next_finish(now)
+        t = eng.next_finish(self.now)
         if t is not None:
-            push("engine", t, (e, eng.epoch))
+            self.push("engine", t, (e, eng.epoch))
 
-    def submit_turn(r: _Request) -> None:
-        r.turn_started = now
-        if engine.turn_overhead_s > 0:
-            push("admit", now + engine.turn_overhead_s, r)
+    # episodes on the engines
+
+    def submit_turn(self, r: _Request) -> None:
+        r.turn_started = self.now
+        if self.model.turn_overhead_s > 0:
+            self.push("admit", self.now + self.model.turn_overhead_s, r)
         else:
-            begin_turn(r)
+            self.begin_turn(r)
 
-    def begin_turn(r: _Request) -> None:
-        nonlocal generated
+    def begin_turn(self, r: _Request) -> None:
         t = r.episode.turns[r.turn]
-        eng = engines[r.engine]
-        generated += eng.advance(now)
+        eng = self.engines[r.engine]
+        self.generated += eng.advance(self.now)
         r.gen_tokens, r.gen_done = t.gen_tokens, 0.0
-        r.remaining = t.gen_tokens + t.prefill_tokens * engine.prefill_per_token
+        r.remaining = t.gen_tokens + t.prefill_tokens * self.model.prefill_per_token
         eng.active.append(r)
-        schedule(r.engine)
+        self.schedule(r.engine)
 
-    def start_episode(episode: Episode) -> None:
-        e = min(range(sc.engines), key=lambda i: (engines[i].assigned, i))
-        engines[e].assigned += 1
-        submit_turn(_Request(episode, e, engine_version, now))
+    def start_episode(self, episode: Episode) -> None:
+        e = min(range(self.sc.engines), key=lambda i: (self.engines[i].assigned, i))
+        self.engines[e].assigned += 1
+        self.submit_turn(_Request(episode, e, self.engine_version, self.now))
 
-    def launch_batch() -> None:
-        nonlocal batch_outstanding, batches_launched
-        batches_launched += 1
-        batch_outstanding = sc.trajectories_per_step // sc.group * sc.group
+    def on_engine(self, payload: tuple[int, int]) -> None:
+        """An engine's next turn end: finished turns go to their tool call, finished episodes to the learner."""
+        e, epoch = payload
+        eng = self.engines[e]
+        if epoch != eng.epoch:
+            return
+        self.generated += eng.advance(self.now)
+        done = [r for r in eng.active if r.remaining <= 1e-9]
+        eng.active = [r for r in eng.active if r.remaining > 1e-9]
+        for r in done:
+            r.gen_s += self.now - r.turn_started
+            tool = r.episode.turns[r.turn].tool_s
+            r.turn += 1
+            if r.turn < len(r.episode.turns):
+                self.push("tool", self.now + tool, r)
+            else:
+                self.episode_done(r)
+        self.schedule(e)
+
+    def episode_done(self, r: _Request) -> None:
+        self.engines[r.engine].assigned -= 1
+        if self.sc.arm == "sao":
+            self.finished.append(r)
+            if not self.stopping:
+                self.start_episode(self.source.sample(self.rng)[0])
+            self.try_train()
+            return
+        self.batch_buffer.append(r)
+        self.batch_outstanding -= 1
+        if self.batch_outstanding == 0:
+            self.batches_ready.append(list(self.batch_buffer))
+            self.batch_buffer.clear()
+            self.maybe_launch()
+            self.try_train()
+
+    # the group arms' batches
+
+    def launch_batch(self) -> None:
+        sc = self.sc
+        self.batches_launched += 1
+        self.batch_outstanding = sc.trajectories_per_step // sc.group * sc.group
         for _ in range(sc.trajectories_per_step // sc.group):
-            for episode in source.sample(rng, sc.group):
-                start_episode(episode)
+            for episode in self.source.sample(self.rng, sc.group):
+                self.start_episode(episode)
 
-    def try_train() -> None:
-        nonlocal learner_free
-        if not learner_free or stopping:
-            return
-        if sc.arm == "sao":
-            fresh = [r for r in finished if version - r.version <= sc.max_staleness]
-            result.dropped += len(finished) - len(fresh)
-            finished.clear()
-            finished.extend(fresh)
-            if len(finished) < sc.trajectories_per_step:
-                return
-            batch = [finished.popleft() for _ in range(sc.trajectories_per_step)]
-        else:
-            if not batches_ready:
-                return
-            batch = batches_ready.popleft()
-        learner_free = False
-        result.staleness += [version - r.version for r in batch]
-        result.gen_s += [r.gen_s for r in batch]
-        took = learner.step_s(sc.arm, len(batch), sum(r.episode.tokens for r in batch))
-        result.learner_busy_s += took
-        push("trained", now + took, batch)
-
-    def episode_done(r: _Request) -> None:
-        nonlocal batch_outstanding
-        engines[r.engine].assigned -= 1
-        if sc.arm == "sao":
-            finished.append(r)
-            if not stopping:
-                start_episode(source.sample(rng)[0])
-            try_train()
-            return
-        batch_buffer.append(r)
-        batch_outstanding -= 1
-        if batch_outstanding == 0:
-            batches_ready.append(list(batch_buffer))
-            batch_buffer.clear()
-            maybe_launch()
-            try_train()
-
-    def maybe_launch() -> None:
+    def maybe_launch(self) -> None:
         """grpo: the next batch after the last one is trained and pushed; grpo_async: as soon as the previous batch
         is generated, with weights at most one step behind it."""
-        if stopping or batch_outstanding or batches_launched >= sc.steps:
+        if self.stopping or self.batch_outstanding or self.batches_launched >= self.sc.steps:
             return
-        if sc.arm == "grpo" and engine_version < batches_launched:
+        if self.sc.arm == "grpo" and self.engine_version < self.batches_launched:
             return
-        if sc.arm == "grpo_async" and engine_version < batches_launched - 1:
+        if self.sc.arm == "grpo_async" and self.engine_version < self.batches_launched - 1:
             return
-        launch_batch()
+        self.launch_batch()
 
-    if sc.arm == "sao":
-        for _ in range(sc.concurrency):
-            start_episode(source.sample(rng)[0])
-    else:
-        launch_batch()
-    end = 0.0
-    while events:
-        now, _, kind, payload = heapq.heappop(events)
-        if kind == "engine":
-            e, epoch = payload
-            eng = engines[e]
-            if epoch != eng.epoch:
-                continue
-            generated += eng.advance(now)
-            done = [r for r in eng.active if r.remaining <= 1e-9]
-            eng.active = [r for r in eng.active if r.remaining > 1e-9]
-            for r in done:
-                r.gen_s += now - r.turn_started
-                tool = r.episode.turns[r.turn].tool_s
-                r.turn += 1
-                if r.turn < len(r.episode.turns):
-                    push("tool", now + tool, r)
-                else:
-                    episode_done(r)
-            schedule(e)
-        elif kind == "tool":
-            submit_turn(payload)
-        elif kind == "admit":
-            begin_turn(payload)
-        elif kind == "trained":
-            version += 1
-            steps_done += 1
-            result.trained += len(payload)
-            end = now
-            if steps_done >= sc.steps:
-                stopping = True
-                break
-            if sc.arm == "sao" and steps_done % learner.push_every:  # the grpo arms push every step
-                learner_free = True
-                try_train()
-                continue
-            result.learner_busy_s += learner.push_s
-            pause = learner.push_s if learner.engine_pause_s is None else learner.engine_pause_s
-            for i, eng in enumerate(engines):
-                generated += eng.advance(now)
-                eng.paused_until = now + pause
-                schedule(i)
-            push("pushed", now + learner.push_s)
-        elif kind == "pushed":
-            engine_version = version
-            learner_free = True
-            if sc.arm != "sao":
-                maybe_launch()
-            try_train()
-    for eng in engines:
-        generated += eng.advance(end) if eng.last < end else 0.0
-    result.window_s = end
-    result.engine_busy_s = sum(min(e.busy_s, end) for e in engines)
-    result.generated_tokens = int(generated)
-    return result
+    # the learner
+
+    def try_train(self) -> None:
+        """A step when the learner is free and its batch is there (sao: the first trajectories_per_step fresh enough;
+        the older are dropped)."""
+        if not self.learner_free or self.stopping:
+            return
+        if self.sc.arm == "sao":
+            fresh = [r for r in self.finished if self.version - r.version <= self.sc.max_staleness]
+            self.result.dropped += len(self.finished) - len(fresh)
+            self.finished.clear()
+            self.finished.extend(fresh)
+            if len(self.finished) < self.sc.trajectories_per_step:
+                return
+            batch = [self.finished.popleft() for _ in range(self.sc.trajectories_per_step)]
+        else:
+            if not self.batches_ready:
+                return
+            batch = self.batches_ready.popleft()
+        self.learner_free = False
+        self.result.staleness += [self.version - r.version for r in batch]
+        self.result.gen_s += [r.gen_s for r in batch]
+        took = self.learner.step_s(self.sc.arm, len(batch), sum(r.episode.tokens for r in batch))
+        self.result.learner_busy_s += took
+        self.push("trained", self.now + took, batch)
+
+    def on_trained(self, batch: list[_Request]) -> None:
+        """A step done: the run ends after sc.steps; otherwise the push (engines paused) when one is due."""
+        self.version += 1
+        self.steps_done += 1
+        self.result.trained += len(batch)
+        self.end = self.now
+        if self.steps_done >= self.sc.steps:
+            self.stopping = True
+            return
+        if self.sc.arm == "sao" and self.steps_done % self.learner.push_every:  # the grpo arms push every step
+            self.learner_free = True
+            self.try_train()
+            return
+        self.result.learner_busy_s += self.learner.push_s
+        pause = self.learner.push_s if self.learner.engine_pause_s is None else self.learner.engine_pause_s
+        for i, eng in enumerate(self.engines):
+            self.generated += eng.advance(self.now)
+            eng.paused_until = self.now + pause
+            self.schedule(i)
+        self.push("pushed", self.now + self.learner.push_s)
+
+    def on_pushed(self, _: Any = None) -> None:
+        self.engine_version = self.version
+        self.learner_free = True
+        if self.sc.arm != "sao":
+            self.maybe_launch()
+        self.try_train()
 
 
 def fit_engine(measure: Callable[[EngineModel], float], tau0_grid: Sequence[float], tau1_grid: Sequence[float],

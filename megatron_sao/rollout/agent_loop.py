@@ -19,8 +19,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from megatron_sao.bus.schema import SCHEMA_VERSION, Timings, Trajectory, TrajectoryHeader, Turn
+from megatron_sao.engines.protocol import GenerateResult
 from megatron_sao.rollout.envs.base import Environment, Episode
-from megatron_sao.rollout.protocol import GenerateResult
 
 GenerateFn = Callable[[list[int], dict[str, Any]], tuple[GenerateResult, str]]
 """(input_ids, sampling_params) -> (result, engine id); EngineRouter.generate fits."""

@@ -32,14 +32,14 @@ from typing import Any, Protocol
 
 from megatron_sao.bus.schema import Trajectory
 from megatron_sao.config.tree import SAOConfig
-from megatron_sao.rollout.agent_loop import AgentLoop, EpisodeAborted
-from megatron_sao.rollout.client import (
+from megatron_sao.engines.client import (
     EngineInternalError,
     EngineRouter,
     EngineTimeout,
     EngineUnavailable,
     NoHealthyEngine,
 )
+from megatron_sao.rollout.agent_loop import AgentLoop, EpisodeAborted
 from megatron_sao.rollout.prompts import PromptCursor
 
 log = logging.getLogger(__name__)
@@ -82,12 +82,12 @@ class WorkerConfig:
     concurrency: int = 32
     rollouts_per_prompt: int = 1
     max_attempts: int = 3
-    retry_backoff_s: float = 1.0
+    retry_backoff_s: float = 1.0  # rollout.episode_retry_backoff_s
     log_interval_s: float = 30.0
     state_path: str | None = None  # cursor state, saved whenever a prompt completes, at every log interval, at the end
     batch_prompts: int | None = None  # group arms: prompts per batch (B); None streams (SAO, running_mean)
     batch_lag: int = 0  # group arms: 0 synchronous (grpo), 1 one-step-off (grpo_async)
-    gate_poll_s: float = 0.1  # how often a batch waiting for new weights asks the engines their version
+    gate_poll_s: float = 0.1  # rollout.batch_gate_poll_s
     metrics_path: str | None = None  # JSON lines of the worker's metrics, one per log interval and at the end
     ledger_path: str | None = None  # JSON lines of the worker's side of the trajectory ledger (run/ledger.py)
 
@@ -553,8 +553,8 @@ def worker_from_config(
     (rollout.cursor_state, else <run_dir>/rollout_cursor.json for rollout-0 and rollout_cursor_<id>.json for others)."""
     from transformers import AutoTokenizer
 
+    from megatron_sao.engines.client import RetryPolicy, SGLangClient
     from megatron_sao.rollout.agent_loop import AgentLoopConfig, ChatTemplateCodec
-    from megatron_sao.rollout.client import RetryPolicy, SGLangClient
     from megatron_sao.rollout.envs import make_env
     from megatron_sao.rollout.prompts import read_jsonl
 
@@ -587,6 +587,8 @@ def worker_from_config(
         batch_prompts=cfg.learner.trajectories_per_step // cfg.algo.rollouts_per_prompt if cfg.algo.grouped else None,
         batch_lag=cfg.algo.batch_lag or 0,
         max_attempts=r.max_episode_attempts,
+        retry_backoff_s=r.episode_retry_backoff_s,
+        gate_poll_s=r.batch_gate_poll_s,
         log_interval_s=r.log_interval_s,
         state_path=r.cursor_state or str(Path(cfg.launch.run_dir) / cursor_file),
         metrics_path=str(Path(cfg.launch.run_dir) / f"rollout_metrics_{worker_id}.jsonl"),

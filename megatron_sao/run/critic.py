@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from megatron_sao.bus.schema import Trajectory
 from megatron_sao.config.tree import SAOConfig
+from megatron_sao.distributed.bootstrap import DistContext
 from megatron_sao.distributed.bridge import Bridge
 
 log = logging.getLogger(__name__)
@@ -157,11 +158,11 @@ def _share(obj: Any) -> Any:
 class ValueJob:
     """Every rank of the value job: its learner (value role only) and, on rank 0, its end of the bridge."""
 
-    def __init__(self, cfg: SAOConfig, bridge: Bridge | None) -> None:
+    def __init__(self, cfg: SAOConfig, bridge: Bridge | None, layout: DistContext | None = None) -> None:
         from megatron_sao.learner.learner import Learner
 
         self.cfg, self.bridge = cfg, bridge
-        self.learner = Learner(cfg, roles={"value"})
+        self.learner = Learner(cfg, roles={"value"}, layout=layout)
 
     @classmethod
     def start(cls, cfg: SAOConfig, bridge_address: str) -> ValueJob:
@@ -171,9 +172,9 @@ class ValueJob:
         cfg = value_job_config(cfg)
         if not cfg.learner.value_on_separate_ranks:
             raise ValueError("the value job runs only with learner.value_on_separate_ranks=true")
-        init_distributed(cfg.parallel, seed=cfg.learner.seed)
+        layout = init_distributed(cfg.parallel, seed=cfg.learner.seed)
         bridge = Bridge.open(bridge_address, host=False, timeout_s=BRIDGE_TIMEOUT_S) if dist.get_rank() == 0 else None
-        return cls(cfg, bridge)
+        return cls(cfg, bridge, layout)
 
     def serve(self) -> None:
         """Answer the policy job until it says Stop; an error is sent back (Failed) and raised here."""
@@ -232,8 +233,7 @@ class ValueJob:
         self.reply(Done(msg.seq, metrics, self.learner.first_values))
 
     def save(self, msg: Save) -> None:
-        from megatron_sao.learner.checkpoint import save_checkpoint
-        from megatron_sao.run.learn import checkpoint_dir
+        from megatron_sao.learner.checkpoint import checkpoint_dir, save_checkpoint
 
         path = save_checkpoint(self.learner, checkpoint_dir(self.cfg), tag=msg.name)
         self.reply(Saved(msg.seq, str(path)))

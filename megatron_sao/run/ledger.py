@@ -123,78 +123,77 @@ def queued_prompts(run: Path, worker: str) -> set[str]:
         return set()
 
 
-def check_ledger(
-    run_dir: str | Path, spool_dir: str | Path | None = None, stale_log: str | Path | None = None
-) -> LedgerReport:
-    run = Path(run_dir)
-    report = LedgerReport()
-    worker_lines = [line for f in sorted((run / "ledger").glob("*.jsonl")) for line in _lines(f)]
-    learner_lines = _lines(run / "trajectories.jsonl")
-    for line in (*worker_lines, *learner_lines):
-        if line.get("event") == "unreadable":
-            report.violations.append(f"unreadable ledger line {line['where']}")
-    produced: dict[str, dict[str, Any]] = {}
-    sending: dict[str, dict[str, Any]] = {}
-    refused: set[str] = set()
-    spool_lost: set[str] = set()
-    last_try: dict[tuple[str, str], float] = {}  # (worker, prompt) -> time of its latest sample on record
-    accounted_prompts: set[tuple[str, str]] = set()
-    done_prompts: list[tuple[str, str]] = []
+@dataclass
+class _WorkerSide:
+    """What the workers' ledgers say: every trajectory produced or being sent, what the receiver refused, the
+    prompts done and those accounted for by a trajectory, a failure or a dropped group."""
+
+    produced: dict[str, dict[str, Any]] = field(default_factory=dict)
+    sending: dict[str, dict[str, Any]] = field(default_factory=dict)
+    refused: set[str] = field(default_factory=set)
+    spool_lost: set[str] = field(default_factory=set)
+    last_try: dict[tuple[str, str], float] = field(default_factory=dict)  # (worker, prompt) -> its latest sample
+    accounted_prompts: set[tuple[str, str]] = field(default_factory=set)
+    done_prompts: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _read_worker_side(worker_lines: list[dict[str, Any]], report: LedgerReport) -> _WorkerSide:
+    side = _WorkerSide()
     for line in worker_lines:
         event = line.get("event")
         if event in ("sending", "produced", "failed"):
             key = (str(line["worker"]), str(line["prompt"]))
-            last_try[key] = max(last_try.get(key, 0.0), float(line.get("time", 0.0)))
+            side.last_try[key] = max(side.last_try.get(key, 0.0), float(line.get("time", 0.0)))
         if event == "sending":
-            sending[line["id"]] = line
+            side.sending[line["id"]] = line
         elif event == "produced":
-            if line["id"] in produced:
+            if line["id"] in side.produced:
                 report.violations.append(f"trajectory {line['id']} produced twice (workers {line['worker']} and "
-                                         f"{produced[line['id']]['worker']})")  # fmt: skip
-            produced[line["id"]] = line
-            accounted_prompts.add((line["worker"], line["prompt"]))
+                                         f"{side.produced[line['id']]['worker']})")  # fmt: skip
+            side.produced[line["id"]] = line
+            side.accounted_prompts.add((line["worker"], line["prompt"]))
         elif event == "failed":
             report.failed_episodes += 1
-            accounted_prompts.add((line["worker"], line["prompt"]))
+            side.accounted_prompts.add((line["worker"], line["prompt"]))
         elif event == "undelivered":  # given up by the sink while stopping: its prompt stays pending
             report.undelivered += 1
         elif event == "dropped_group":
             report.dropped_groups += 1
-            accounted_prompts.add((line["worker"], line["prompt"]))
+            side.accounted_prompts.add((line["worker"], line["prompt"]))
         elif event == "prompt_done":
-            done_prompts.append((line["worker"], line["prompt"]))
+            side.done_prompts.append((line["worker"], line["prompt"]))
         elif event == "rejected":
             if line.get("reason") == "spool_corrupt":  # reported again if its worker died before acknowledging
-                spool_lost.add(str(line["id"]))
+                side.spool_lost.add(str(line["id"]))
             else:
                 report.rejected += 1
-                refused.add(str(line["id"]))
-    consumed, report.voided = consumed_ids(learner_lines)
-    helds = [line for line in learner_lines if line.get("event") == "held"]
-    held = set(helds[-1]["ids"]) if helds else set()  # in the last checkpoint, for groups not yet whole
-    counts = Counter(consumed)
-    stale = {str(x["trajectory_id"]) for x in _lines(Path(stale_log) if stale_log else run / "stale.jsonl")
-             if x.get("action") == "dropped"}  # fmt: skip
-    pending = spooled_ids(Path(spool_dir) if spool_dir else run / "spool")
-    report.produced, report.consumed = len(produced), len(consumed)
-    report.stale_dropped, report.pending, report.prompts_done = len(stale), len(pending | held), len(done_prompts)
-    workers_with_ledgers = {line["worker"] for line in worker_lines}
+                side.refused.add(str(line["id"]))
+    return side
+
+
+def _check_training(learner_lines: list[dict[str, Any]], side: _WorkerSide, workers: set[str], counts: Counter[str],
+                    report: LedgerReport) -> None:  # fmt: skip
+    """Nothing trained twice; nothing trained that a worker with a ledger never sent."""
     for tid, n in counts.items():
         if n > 1:
             report.violations.append(f"trajectory {tid} trained {n} times")
     for line in learner_lines:
         tid = line.get("id")
-        known = tid in produced or tid in sending
-        if tid is not None and not known and line.get("worker") in workers_with_ledgers:
+        known = tid in side.produced or tid in side.sending
+        if tid is not None and not known and line.get("worker") in workers:
             report.violations.append(f"trajectory {tid} was trained but its worker never sent it")
-    fate = set(counts) | stale | pending | held | refused
-    queued = {w: queued_prompts(run, w) for w in workers_with_ledgers}
-    report.spool_lost = len(spool_lost)
-    report.cut = sum(1 for tid in sending if tid not in produced and tid not in fate)
-    for tid, line in produced.items():
+
+
+def _check_fates(run: Path, side: _WorkerSide, fate: set[str], workers: set[str], report: LedgerReport) -> None:
+    """Every trajectory produced has a fate (trained, dropped stale, spooled, held, refused), or its prompt was
+    generated again or is queued again; counts those cut before the bus took them."""
+    queued = {w: queued_prompts(run, w) for w in workers}
+    report.spool_lost = len(side.spool_lost)
+    report.cut = sum(1 for tid in side.sending if tid not in side.produced and tid not in fate)
+    for tid, line in side.produced.items():
         if tid in fate:
             continue
-        if last_try.get((line["worker"], line["prompt"]), 0.0) > float(line.get("time", 0.0)):
+        if side.last_try.get((line["worker"], line["prompt"]), 0.0) > float(line.get("time", 0.0)):
             report.regenerated += 1
             continue
         if line["prompt"] in queued.get(line["worker"], set()):
@@ -203,7 +202,34 @@ def check_ledger(
         where = f"prompt {line['prompt']}, worker {line['worker']}"
         report.violations.append(f"trajectory {tid} ({where}) was produced and then lost: not trained, not "
                                  "dropped as stale, not in a spool, its prompt not generated again")  # fmt: skip
-    for worker, prompt in done_prompts:
-        if (worker, prompt) not in accounted_prompts:
+    for worker, prompt in side.done_prompts:
+        if (worker, prompt) not in side.accounted_prompts:
             report.violations.append(f"prompt {prompt} marked done by {worker} without a trajectory or a failure")
+
+
+def check_ledger(
+    run_dir: str | Path, spool_dir: str | Path | None = None, stale_log: str | Path | None = None
+) -> LedgerReport:
+    """The run's trajectory ledger, both sides, checked: the worker side read, then what the learner trained, then
+    the fate of everything produced."""
+    run = Path(run_dir)
+    report = LedgerReport()
+    worker_lines = [line for f in sorted((run / "ledger").glob("*.jsonl")) for line in _lines(f)]
+    learner_lines = _lines(run / "trajectories.jsonl")
+    for line in (*worker_lines, *learner_lines):
+        if line.get("event") == "unreadable":
+            report.violations.append(f"unreadable ledger line {line['where']}")
+    side = _read_worker_side(worker_lines, report)
+    consumed, report.voided = consumed_ids(learner_lines)
+    helds = [line for line in learner_lines if line.get("event") == "held"]
+    held = set(helds[-1]["ids"]) if helds else set()  # in the last checkpoint, for groups not yet whole
+    counts = Counter(consumed)
+    stale = {str(x["trajectory_id"]) for x in _lines(Path(stale_log) if stale_log else run / "stale.jsonl")
+             if x.get("action") == "dropped"}  # fmt: skip
+    pending = spooled_ids(Path(spool_dir) if spool_dir else run / "spool")
+    report.produced, report.consumed = len(side.produced), len(consumed)
+    report.stale_dropped, report.pending, report.prompts_done = len(stale), len(pending | held), len(side.done_prompts)
+    workers = {line["worker"] for line in worker_lines}
+    _check_training(learner_lines, side, workers, counts, report)
+    _check_fates(run, side, set(counts) | stale | pending | held | side.refused, workers, report)
     return report

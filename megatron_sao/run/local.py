@@ -24,7 +24,7 @@ from typing import Any
 
 from megatron_sao.config.tree import SAOConfig
 from megatron_sao.distributed.spawn import child_env
-from megatron_sao.rollout import sglang_launcher as engines
+from megatron_sao.engines import sglang_launcher as engines
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from megatron_sao.config.weight_sync import WeightSyncConfig
-from megatron_sao.rollout.client import EngineError, SGLangClient
-from megatron_sao.rollout.protocol import ServerProtocol
+from megatron_sao.engines.client import EngineError, SGLangClient
+from megatron_sao.engines.protocol import ServerProtocol
 from megatron_sao.weight_sync.sender import (
     FLATTENED,
     GroupSpec,

@@ -36,8 +36,8 @@ from megatron_sao.distributed.update_group import (
     host_store,
     init_update_group,
 )
-from megatron_sao.rollout.client import SGLangClient
-from megatron_sao.rollout.protocol import ServerProtocol
+from megatron_sao.engines.client import SGLangClient
+from megatron_sao.engines.protocol import ServerProtocol
 from megatron_sao.weight_sync.plan import Bucket
 
 log = logging.getLogger(__name__)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from megatron_sao.config.weight_sync import WeightSyncConfig
 from megatron_sao.distributed import flat_bucket
+from megatron_sao.distributed.bootstrap import current_context
 from megatron_sao.models.builder import ModelSpec
 from megatron_sao.models.weights import weight_mapping
 from megatron_sao.weight_sync.engines import EngineSet, StageReport
@@ -73,7 +74,7 @@ class WeightSync:
         self.rank = dist.get_rank()
         self.backend = resolve_backend(cfg.backend)
         self.control, self.plan, self.gather = prepare(
-            model, spec, dtype_of, int(cfg.bucket_mb * 2**20), stage, gloo_sends=self.backend != "nccl"
+            model, spec, dtype_of, cfg.bucket_bytes, stage, gloo_sends=self.backend != "nccl"
         )
         self.stage = self.gather.stage
         self.sources_group = dist.new_group(self.plan.sources, backend="gloo")
@@ -242,13 +243,12 @@ def prepare(
     gloo_sends: bool,
 ) -> tuple[Any, TransferPlan, StageGather]:
     """Collective: (the gloo control group, the plan every rank computed, this rank's StageGather). Every rank tells
-    the others its pieces (one object gather), then creates every gather group in the plan's order."""
-    from megatron.core import parallel_state as ps
-
+    the others its pieces (one object gather), then creates every gather group in the plan's order. `stage`: this
+    rank's pipeline stage (default: the process's layout, distributed.current_context())."""
     rank = dist.get_rank()
     control = dist.new_group(backend="gloo")  # small objects only: plan metadata, decisions, reports
     pieces = local_pieces(model, rank)
-    stage = ps.get_pipeline_model_parallel_rank() if stage is None else stage
+    stage = current_context().pp_rank if stage is None else stage
     infos: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(infos, rank_info(pieces, rank, stage), group=control)
     mapping = weight_mapping(spec)

@@ -87,7 +87,7 @@ class _Faults:
 
     def engine_back(self, record: dict[str, Any], proc: subprocess.Popen[bytes], url: str, since: float) -> None:
         """Wait until the restarted engine answers /health; record the seconds from `since`."""
-        from megatron_sao.rollout.client import SGLangClient
+        from megatron_sao.engines.client import SGLangClient
 
         client, deadline = SGLangClient(url), time.monotonic() + 120
         while not client.health(timeout_s=1.0):

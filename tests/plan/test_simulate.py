@@ -21,8 +21,8 @@ LEARNER = LearnerModel(step_s=lambda arm, n, tokens: 2.0, push_s=0.5)
 
 def test_synchronous_grpo_timeline() -> None:
     """Each step: 10 iterations of generation (1 s), a 2 s step, a 0.5 s push (not after the last)."""
-    r = simulate(Scenario("grpo", engines=1, concurrency=4, trajectories_per_step=4, steps=3, group=4), FLAT, LEARNER,
-                 EpisodeSource(ONE_TURN))  # fmt: skip
+    r = simulate(Scenario("grpo", engines=1, concurrency=4, trajectories_per_step=4, steps=3, max_staleness=4, group=4),
+                 FLAT, LEARNER, EpisodeSource(ONE_TURN))  # fmt: skip
     assert r.window_s == pytest.approx(3 * (1.0 + 2.0) + 2 * 0.5)
     assert r.trained == 12 and r.generated_tokens == 120 and r.staleness == [0] * 12
     assert r.engine_busy_s == pytest.approx(3.0) and r.learner_busy_s == pytest.approx(3 * 2.0 + 2 * 0.5)
@@ -31,8 +31,8 @@ def test_synchronous_grpo_timeline() -> None:
 def test_one_step_off_grpo_overlaps_generation_with_training() -> None:
     """b0 0-1; b0 trains 1-3 while b1 generates 1-2 (weights v0); push 3-3.5; b1 trains 3.5-5.5 while b2 generates
     3.5-4.5 with v1; push 5.5-6; b2 trains 6-8."""
-    r = simulate(Scenario("grpo_async", engines=1, concurrency=4, trajectories_per_step=4, steps=3, group=4), FLAT,
-                 LEARNER, EpisodeSource(ONE_TURN))  # fmt: skip
+    r = simulate(Scenario("grpo_async", engines=1, concurrency=4, trajectories_per_step=4, steps=3, max_staleness=4,
+                          group=4), FLAT, LEARNER, EpisodeSource(ONE_TURN))  # fmt: skip
     assert r.window_s == pytest.approx(8.0)
     assert r.staleness == [0] * 4 + [1] * 8
 
@@ -52,8 +52,9 @@ def test_one_iteration_serves_the_whole_batch() -> None:
     longer when each sequence adds to it."""
 
     def window(engine: EngineModel, batch: int) -> float:
-        return simulate(Scenario("grpo", engines=1, concurrency=batch, trajectories_per_step=batch, steps=1,
-                                 group=batch), engine, LEARNER, EpisodeSource(ONE_TURN)).window_s  # fmt: skip
+        sc = Scenario("grpo", engines=1, concurrency=batch, trajectories_per_step=batch, steps=1, max_staleness=4,
+                      group=batch)  # fmt: skip
+        return simulate(sc, engine, LEARNER, EpisodeSource(ONE_TURN)).window_s
 
     assert window(FLAT, 8) == pytest.approx(window(FLAT, 1))
     growing = EngineModel(tau0=0.1, tau1=0.01)

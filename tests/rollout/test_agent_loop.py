@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_sao.engines.client import EngineRouter
+from megatron_sao.engines.protocol import GenerateResult
 from megatron_sao.models.tiny import build_tiny_tokenizer
 from megatron_sao.rollout.agent_loop import AgentLoop, AgentLoopConfig, ChatTemplateCodec, EpisodeAborted
-from megatron_sao.rollout.client import EngineRouter
 from megatron_sao.rollout.envs import make_env
 from megatron_sao.rollout.envs.base import Environment, Episode, StepResult
-from megatron_sao.rollout.protocol import GenerateResult
 
 TOK = build_tiny_tokenizer()
 IM_END = TOK.convert_tokens_to_ids("<|im_end|>")
@@ -152,7 +152,7 @@ class EchoEnv(Environment):
 def test_rollout_logprobs_on_a_real_engine_align_with_a_full_forward(
     engine_url: str, tiny_dirs: dict[str, Path]
 ) -> None:
-    from megatron_sao.rollout.engine.model_runner import load_hf_model
+    from megatron_sao.engines.embedded.model_runner import load_hf_model
 
     router = EngineRouter.from_urls([engine_url])
     sampling = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}

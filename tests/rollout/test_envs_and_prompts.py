@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_sao.rollout.envs import REGISTRY, make_env
+from megatron_sao.rollout.envs import REGISTRY, env_class, make_env
 from megatron_sao.rollout.envs.arithmetic import calculate
-from megatron_sao.rollout.envs.base import env_class
 from megatron_sao.rollout.envs.style_preference import STYLES, style_score
 from megatron_sao.rollout.prompts import PromptCursor, read_jsonl
 

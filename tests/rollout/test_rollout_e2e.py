@@ -13,14 +13,14 @@ import pytest
 
 from megatron_sao.distributed.spawn import find_free_port, spawn_ranks
 from megatron_sao.distributed.update_group import destroy_update_group
+from megatron_sao.engines import protocol as P
+from megatron_sao.engines.client import EngineRouter, SGLangClient
 from megatron_sao.models.tiny import build_tiny_tokenizer
-from megatron_sao.rollout import protocol as P
 from megatron_sao.rollout.agent_loop import AgentLoop, AgentLoopConfig, ChatTemplateCodec
-from megatron_sao.rollout.client import EngineRouter, SGLangClient
 from megatron_sao.rollout.envs import make_env
 from megatron_sao.rollout.prompts import PromptCursor
 from megatron_sao.rollout.worker import InMemorySink, RolloutWorker, WorkerConfig
-from tests.rollout.pushes import join_group, session_push
+from tests.engines.pushes import join_group, session_push
 
 VERSIONS = 3
 

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
+from megatron_sao.engines.client import EngineError, EngineRouter, NoHealthyEngine, RetryPolicy, SGLangClient
+from megatron_sao.engines.protocol import GenerateResult
 from megatron_sao.models.tiny import build_tiny_tokenizer
 from megatron_sao.rollout.agent_loop import AgentLoop, AgentLoopConfig, ChatTemplateCodec
-from megatron_sao.rollout.client import EngineError, EngineRouter, NoHealthyEngine, RetryPolicy, SGLangClient
 from megatron_sao.rollout.envs import make_env
 from megatron_sao.rollout.prompts import PromptCursor
-from megatron_sao.rollout.protocol import GenerateResult
 from megatron_sao.rollout.worker import InMemorySink, RolloutWorker, WorkerConfig
 
 TOK = build_tiny_tokenizer()
@@ -81,7 +81,7 @@ def test_failed_episodes_are_reissued_and_pushed_once(tmp_path: Path) -> None:
 
 
 def test_episodes_failing_every_attempt_are_counted_not_pushed(tmp_path: Path) -> None:
-    from megatron_sao.rollout import client as C
+    from megatron_sao.engines import client as C
 
     class Failing(FlakyEngine):
         def __call__(self, input_ids: list[int], sampling: dict[str, Any]) -> tuple[GenerateResult, str]:
@@ -193,7 +193,7 @@ def _keys_by_order(tmp_path: Path) -> list[str]:
 
 
 def test_a_failing_episode_is_counted_and_the_run_goes_on(tmp_path: Path) -> None:
-    from megatron_sao.rollout import client as C
+    from megatron_sao.engines import client as C
 
     failed_500: list[str] = []
 

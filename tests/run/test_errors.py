@@ -23,8 +23,8 @@ def _truncated_copy(hf_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
 
 
 def test_a_truncated_shard_is_named_by_the_learner_loader_and_the_engine(tiny_hf_dir: Any, tmp_path: Path) -> None:
+    from megatron_sao.engines.embedded.model_runner import load_hf_model
     from megatron_sao.models.weights import HFCheckpoint, WeightMismatchError
-    from megatron_sao.rollout.engine.model_runner import load_hf_model
 
     bad, shard = _truncated_copy(Path(tiny_hf_dir("qwen3_moe")), tmp_path)
     with pytest.raises(WeightMismatchError, match=f"{shard} is not a readable safetensors file.*truncated"):

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from megatron_sao.distributed.spawn import find_free_port
-from megatron_sao.rollout.protocol import ServerProtocol
+from megatron_sao.engines.protocol import ServerProtocol
 from megatron_sao.weight_sync.sender import GroupSpec, Member, StageSender, WeightSyncError, in_threads
 
 

@@ -16,8 +16,8 @@ import torch
 
 from megatron_sao.distributed import RankFailure, spawn_ranks
 from megatron_sao.distributed.spawn import find_free_port
-from megatron_sao.rollout import protocol as P
-from megatron_sao.rollout.client import SGLangClient
+from megatron_sao.engines import protocol as P
+from megatron_sao.engines.client import SGLangClient
 from tests.learner.test_learner_step import learner_config, on_policy
 
 PROMPT = [3, 17, 29, 5, 11]

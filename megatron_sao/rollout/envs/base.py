@@ -18,7 +18,6 @@ Episodes see decoded text only for parsing; the agent loop owns every token (see
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -79,25 +78,6 @@ def register(cls: type[Environment]) -> type[Environment]:
         raise ValueError(f"environment name {cls.name!r} is already registered by {REGISTRY[cls.name]}")
     REGISTRY[cls.name] = cls
     return cls
-
-
-def env_class(name: str) -> type[Environment]:
-    """A registered name (arithmetic, style_preference, verifiable_answer) or an import path `module:Class`."""
-    import megatron_sao.rollout.envs  # noqa: F401 - registers the built-ins
-
-    if ":" in name:
-        module, _, attr = name.partition(":")
-        cls = getattr(importlib.import_module(module), attr, None)
-        if not (isinstance(cls, type) and issubclass(cls, Environment)):
-            raise ValueError(f"{name!r} is not an Environment subclass")
-        return cls
-    if name not in REGISTRY:
-        raise ValueError(f"unknown environment {name!r}; registered: {sorted(REGISTRY)}, or use 'module:Class'")
-    return REGISTRY[name]
-
-
-def make_env(name: str, options: dict[str, Any] | None = None) -> Environment:
-    return env_class(name)(**(options or {}))
 
 
 def extract_tag(text: str, tag: str) -> str | None:

@@ -7,8 +7,8 @@ import threading
 
 import torch
 
-from megatron_sao.rollout.engine.model_runner import SamplingParams
-from megatron_sao.rollout.engine.scheduler import Request, Scheduler
+from megatron_sao.engines.embedded.model_runner import SamplingParams
+from megatron_sao.engines.embedded.scheduler import Request, Scheduler
 
 VOCAB = 16
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from megatron_sao.distributed.spawn import find_free_port
-from megatron_sao.rollout import protocol as P
-from megatron_sao.rollout.client import (
+from megatron_sao.engines import protocol as P
+from megatron_sao.engines.client import (
     EngineError,
     EngineRouter,
     EngineTimeout,
@@ -119,7 +119,7 @@ def test_generate_rejects_what_the_engine_cannot_honour(engine_url: str) -> None
 
 
 def test_token_only_engine_serves_ids_and_refuses_text(tiny_dirs: dict[str, Path]) -> None:
-    from megatron_sao.rollout.engine.server import build_state
+    from megatron_sao.engines.embedded.server import build_state
 
     state = build_state(str(tiny_dirs["qwen3_moe_notok"]), max_running=2)
     try:
@@ -230,8 +230,8 @@ class _Failing:
 
 
 def test_a_handler_that_raises_gets_an_error_answer_and_is_not_resent() -> None:
-    from megatron_sao.rollout import client as C
-    from megatron_sao.rollout.engine.server import make_server
+    from megatron_sao.engines import client as C
+    from megatron_sao.engines.embedded.server import make_server
 
     state = _Failing()
     server = make_server(state, "127.0.0.1", 0)  # type: ignore[arg-type]
@@ -279,7 +279,7 @@ class _Dropper(BaseHTTPRequestHandler):
 
 
 def test_a_dropped_connection_resends_only_idempotent_calls() -> None:
-    from megatron_sao.rollout import client as C
+    from megatron_sao.engines import client as C
 
     seen: list[str] = []
     server = ThreadingHTTPServer(("127.0.0.1", 0), type("D", (_Dropper,), {"seen": seen}))
@@ -418,7 +418,7 @@ class _Broken(BaseHTTPRequestHandler):
     ids=["cut-json", "no-meta-info", "not-an-object", "hangs"],
 )
 def test_a_garbage_or_hanging_engine_is_taken_out_and_the_turn_goes_to_another(engine_url: str, answer: bytes) -> None:
-    from megatron_sao.rollout import client as C
+    from megatron_sao.engines import client as C
 
     broken = ThreadingHTTPServer(("127.0.0.1", 0), type("B", (_Broken,), {"answer": answer, "hang": threading.Event()}))
     threading.Thread(target=broken.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()

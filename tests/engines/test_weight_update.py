@@ -1,4 +1,4 @@
-"""The embedded engine's side of SGLang's weight push, driven by a hand-rolled gloo trainer (tests/rollout/pushes.py):
+"""The embedded engine's side of SGLang's weight push, driven by a hand-rolled gloo trainer (tests/engines/pushes.py):
 a session's updates are staged and switch weights and version together at `end`, in the middle of a generation; what
 SGLang refuses before receiving is refused before receiving; a push refused or cut at any update leaves the served
 weights and version untouched; flattened buckets and checksums match the trainer's bytes; the older releases' rules
@@ -18,9 +18,9 @@ import torch
 from megatron_sao.distributed import flat_bucket
 from megatron_sao.distributed.spawn import find_free_port, spawn_ranks
 from megatron_sao.distributed.update_group import destroy_update_group
-from megatron_sao.rollout import protocol as P
-from megatron_sao.rollout.client import EngineError, SGLangClient
-from tests.rollout.pushes import in_thread, join_group, session_push, update
+from megatron_sao.engines import protocol as P
+from megatron_sao.engines.client import EngineError, SGLangClient
+from tests.engines.pushes import in_thread, join_group, session_push, update
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 PROMPT = [1, 2, 3, 4]

@@ -1,5 +1,5 @@
 """/generate of the embedded engine: request validation and response building in SGLang's format (owned by
-engine/; called by engine/server.py, feeds engine/scheduler.py).
+embedded/; called by embedded/server.py, feeds embedded/scheduler.py).
 
 Accepted: `input_ids` (one list, or a list of lists for a batch) or, when the engine has a tokenizer, `text`;
 `sampling_params` with the keys in SUPPORTED below; `return_logprob`, `return_text_in_logprobs`, `rid`,
@@ -14,8 +14,8 @@ import time
 import uuid
 from typing import Any
 
-from megatron_sao.rollout.engine.model_runner import SamplingParams
-from megatron_sao.rollout.engine.scheduler import Request, Scheduler
+from megatron_sao.engines.embedded.model_runner import SamplingParams
+from megatron_sao.engines.embedded.scheduler import Request, Scheduler
 
 SUPPORTED = {
     "max_new_tokens": int,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from megatron_sao.rollout import protocol as P
+from megatron_sao.engines import protocol as P
 
 
 def parser() -> argparse.ArgumentParser:
@@ -25,7 +25,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--random-seed", type=int, default=0, help="seeds requests without a sampling_seed")
     p.add_argument("--emulate-sglang", default=None, metavar="VERSION",
                    help="follow the weight-update rules of this SGLang release (default: the newest one read, "
-                   "megatron_sao.rollout.engine.server.EMULATED_SGLANG)")  # fmt: skip
+                   "megatron_sao.engines.embedded.server.EMULATED_SGLANG)")  # fmt: skip
     p.add_argument("--weight-session-timeout", type=float, default=300.0, metavar="S",
                    help="discard a weight-update session no update touched for S seconds (its trainer is gone) and "
                    "resume generating")  # fmt: skip
@@ -41,8 +41,8 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import torch
 
-    from megatron_sao.rollout.engine.server import EMULATED_SGLANG, build_state, serve
-    from megatron_sao.rollout.protocol import parse_version
+    from megatron_sao.engines.embedded.server import EMULATED_SGLANG, build_state, serve
+    from megatron_sao.engines.protocol import parse_version
 
     if args.threads:
         torch.set_num_threads(args.threads)

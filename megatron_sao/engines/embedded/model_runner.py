@@ -1,5 +1,5 @@
 """The embedded engine's model: loading an HF checkpoint, batched forward passes over the slot KV cache, sampling
-and per-token log-probs (owned by engine/; called only by engine/scheduler.py).
+and per-token log-probs (owned by embedded/; called only by embedded/scheduler.py).
 
 Log-prob semantics (the same as SGLang's default sampler, layers/sampler.py in 0.5.23): for a sampled request the
 reported log-prob of token t is `log_softmax(logits / temperature)[t]`, i.e. under the temperature-scaled

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from megatron_sao.rollout.client import SGLangClient
+from megatron_sao.engines.client import SGLangClient
 
 
 def _post(url: str, body: bytes, headers: dict[str, str] | None = None, timeout: float = 60.0) -> tuple[int, dict]:
@@ -76,7 +76,7 @@ def test_an_oversized_body_is_refused_unread(engine_url: str) -> None:
 
 
 def test_a_client_that_stops_sending_is_dropped_after_the_read_timeout(tiny_dirs: dict[str, Path]) -> None:
-    from megatron_sao.rollout.engine.server import build_state, make_server
+    from megatron_sao.engines.embedded.server import build_state, make_server
 
     state = build_state(str(tiny_dirs["qwen3_moe"]), max_running=4)
     server = make_server(state, "127.0.0.1", 0, read_timeout_s=1.0)

@@ -1,9 +1,9 @@
 """In-place weight updates of the embedded engine: its update process groups, SGLang's weight-update session, receiving
 the tensors the trainer broadcasts, validating them against the model, staging them and committing a whole push at
-once (owned by engine/; called by engine/server.py for the HTTP endpoints; scheduler.py copies a commit in between
+once (owned by embedded/; called by embedded/server.py for the HTTP endpoints; scheduler.py copies a commit in between
 two decode steps).
 
-Protocol (SGLang's; the rules of the SGLang release in `ServerProtocol`, rollout/protocol.py):
+Protocol (SGLang's; the rules of the SGLang release in `ServerProtocol`, engines/protocol.py):
 - `/init_weights_update_group` makes this engine rank `rank_offset` of a `world_size` group whose rank 0 is one
   trainer rank; several named groups may coexist (one per learner pipeline stage).
 - `/update_weights_from_distributed` lists `names`, `dtypes`, `shapes`; the trainer then broadcasts each tensor from
@@ -39,8 +39,8 @@ import torch.distributed as dist
 
 from megatron_sao.distributed import flat_bucket
 from megatron_sao.distributed.update_group import destroy_update_group, init_update_group
-from megatron_sao.rollout.engine.hf_names import Target, on_disk_names, resolve
-from megatron_sao.rollout.protocol import ServerProtocol
+from megatron_sao.engines.protocol import ServerProtocol
+from megatron_sao.models.mapping import Target, on_disk_names, resolve_in_memory
 
 log = logging.getLogger(__name__)
 
@@ -322,7 +322,7 @@ class WeightUpdater:
 
     def _check(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[str | None, Target]:
         try:
-            target = resolve(name, self.tensors)
+            target = resolve_in_memory(name, self.tensors)
         except KeyError:
             return f"{name}: no such weight in the model (send HF on-disk names)", Target(name)
         view = target.view(self.tensors)
@@ -336,7 +336,7 @@ class WeightUpdater:
     def get(self, name: str, truncate_size: int) -> list:
         """The first `truncate_size` rows of weight `name` (HF name) as float lists (SGLang's /get_weights_by_name)."""
         try:
-            target = resolve(name, self.tensors)
+            target = resolve_in_memory(name, self.tensors)
         except KeyError:
             raise WeightUpdateError(f"{name}: no such weight in the model (HF on-disk names)") from None
         return target.view(self.tensors)[:truncate_size].float().tolist()
@@ -349,7 +349,7 @@ class WeightUpdater:
         for name in on_disk_names(self.tensors):
             if any(pattern in name for pattern in skip or ()):
                 continue
-            out[name] = flat_bucket.tensor_checksum(resolve(name, self.tensors).view(self.tensors))
+            out[name] = flat_bucket.tensor_checksum(resolve_in_memory(name, self.tensors).view(self.tensors))
         return out
 
     def apply(self, update: ReceivedUpdate) -> None:

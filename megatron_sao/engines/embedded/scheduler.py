@@ -1,4 +1,4 @@
-"""Continuous batching of the embedded engine (owned by engine/; engine/server.py submits requests and commands).
+"""Continuous batching of the embedded engine (owned by embedded/; embedded/server.py submits requests and commands).
 
 One scheduler thread owns the model. Each iteration is a token boundary: it first applies pending commands (weight
 updates, aborts, pause/continue), then admits waiting requests into free KV slots (one prefill forward each, which
@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from megatron_sao.rollout.engine.kv_cache import SlotKVCache
-from megatron_sao.rollout.engine.model_runner import ModelRunner, SamplingParams, sample
-from megatron_sao.rollout.engine.weights import ReceivedUpdate, WeightUpdater
+from megatron_sao.engines.embedded.kv_cache import SlotKVCache
+from megatron_sao.engines.embedded.model_runner import ModelRunner, SamplingParams, sample
+from megatron_sao.engines.embedded.weights import ReceivedUpdate, WeightUpdater
 
 log = logging.getLogger(__name__)
 

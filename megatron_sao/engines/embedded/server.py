@@ -1,5 +1,5 @@
 """The embedded engine's HTTP server: the subset of SGLang's native API the project uses, over a real HF model on
-CPU (owned by engine/; started by `python -m megatron_sao engine`, see main(); spoken to by rollout/client.py).
+CPU (owned by embedded/; started by `python -m megatron_sao engine`, see main(); spoken to by engines/client.py).
 
 Endpoints (paths and bodies as in SGLang 0.5.23, see protocol.py and docs/rollout.md): /generate, /health,
 /health_generate, /model_info, /get_model_info, /get_weight_version, /server_info (/get_server_info),
@@ -30,10 +30,10 @@ from typing import Any
 from urllib.parse import urlparse
 
 from megatron_sao.distributed import flat_bucket
-from megatron_sao.rollout import protocol as P
-from megatron_sao.rollout.engine.generate import GenerateHandler
-from megatron_sao.rollout.engine.scheduler import Scheduler
-from megatron_sao.rollout.engine.weights import WeightUpdateError, WeightUpdater
+from megatron_sao.engines import protocol as P
+from megatron_sao.engines.embedded.generate import GenerateHandler
+from megatron_sao.engines.embedded.scheduler import Scheduler
+from megatron_sao.engines.embedded.weights import WeightUpdateError, WeightUpdater
 
 log = logging.getLogger(__name__)
 
@@ -304,7 +304,7 @@ def build_state(
     session_timeout_s: float = 300.0,
 ) -> EngineState:
     """Load the model (and tokenizer unless skipped or absent) and start the scheduler thread."""
-    from megatron_sao.rollout.engine.model_runner import ModelRunner, eos_token_ids, load_hf_model
+    from megatron_sao.engines.embedded.model_runner import ModelRunner, eos_token_ids, load_hf_model
 
     model = load_hf_model(model_dir, dtype)
     ctx = context_length or int(getattr(model.config, "max_position_embeddings", 4096))

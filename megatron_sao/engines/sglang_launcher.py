@@ -1,5 +1,5 @@
 """Engine processes from the config: `python -m sglang.launch_server ...` commands for GPU clusters, or the embedded
-CPU engine; start them, wait (bounded) until each answers /health, stop them (owned by rollout/; used by the launch
+CPU engine; start them, wait (bounded) until each answers /health, stop them (owned by engines/; used by the launch
 scripts and the examples; the worker only needs the URLs).
 
 SGLang flag names are those of SGLang 0.5.23 (srt/arg_groups/fields/*.py: `model_path` -> --model-path,
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from megatron_sao.config.rollout import RolloutConfig
 from megatron_sao.distributed.spawn import child_env
-from megatron_sao.rollout.client import SGLangClient
+from megatron_sao.engines.client import SGLangClient
 
 
 def sglang_command(

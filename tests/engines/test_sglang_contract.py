@@ -1,7 +1,7 @@
 """The SGLang wire contract: the fields the client sends and parses, pinned to SGLang's own definitions.
 
 Source read: SGLang 0.5.23, the PyPI wheel sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl (its _version.py says
-0.5.23). The weight-update side is checked against the wheel itself (tests/rollout/sglang_source.py: the request
+0.5.23). The weight-update side is checked against the wheel itself (tests/engines/sglang_source.py: the request
 structs' fields, the routes and methods, the engine's messages, and SGLang's FlattenedTensorBucket and checksum code
 run on our bytes); the generate side below pins what tokenizer_manager builds at run time. Older spellings from
 sgl-project/sglang at commit 0025436eab0556737d615b36a4dd3e1e26e82f3d
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from megatron_sao.distributed import flat_bucket
-from megatron_sao.rollout import protocol as P
-from megatron_sao.rollout.client import EngineError, SGLangClient
-from tests.rollout import sglang_source
+from megatron_sao.engines import protocol as P
+from megatron_sao.engines.client import EngineError, SGLangClient
+from tests.engines import sglang_source
 
 # io_struct.py `class GenerateReqInput` (dataclass) -- the request fields this project may send.
 GENERATE_REQ_INPUT_FIELDS = frozenset(
@@ -225,7 +225,7 @@ def test_control_bodies_are_fields_of_sglang_request_structs() -> None:
 
 
 def test_the_pinned_wheel_is_the_release_the_engine_emulates() -> None:
-    from megatron_sao.rollout.engine.server import EMULATED_SGLANG
+    from megatron_sao.engines.embedded.server import EMULATED_SGLANG
 
     assert sglang_source.version_string() == sglang_source.PINNED == EMULATED_SGLANG
     proto = P.ServerProtocol(sglang_source.PINNED)

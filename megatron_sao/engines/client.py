@@ -1,4 +1,4 @@
-"""HTTP client of one SGLang engine (real server or the embedded engine) and a router over many (owned by rollout/;
+"""HTTP client of one SGLang engine (real server or the embedded engine) and a router over many (owned by engines/;
 used by agent_loop.py and worker.py for generation, by the weight-sync side for pause / update / continue).
 
 Transport is the standard library (http.client), one connection per call, JSON bodies; nothing is pickled.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from megatron_sao.rollout import protocol as P
+from megatron_sao.engines import protocol as P
 
 log = logging.getLogger(__name__)
 

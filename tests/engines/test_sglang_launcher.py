@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatron_sao.config import RolloutConfig
-from megatron_sao.rollout.sglang_launcher import (
+from megatron_sao.engines.sglang_launcher import (
     EngineStartError,
     embedded_command,
     engine_commands,
@@ -91,7 +91,7 @@ def test_health_wait_is_bounded(tmp_path: Path) -> None:
 @pytest.mark.multiproc
 def test_launched_embedded_engine_becomes_healthy(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
     from megatron_sao.distributed.spawn import find_free_port
-    from megatron_sao.rollout.client import SGLangClient
+    from megatron_sao.engines.client import SGLangClient
 
     rc = RolloutConfig(base_port=find_free_port())
     rc.embedded.threads = 1

@@ -1,6 +1,6 @@
 """SGLang's native HTTP API as the project uses it: endpoint paths, the /generate request body, the parsed
-/generate response and the weight-update protocol of each SGLang version (owned by rollout/; client.py sends and
-parses with it, engine/server.py answers in the same shape; tests/rollout/test_sglang_contract.py pins every field
+/generate response and the weight-update protocol of each SGLang version (owned by engines/; client.py sends and
+parses with it, embedded/server.py answers in the same shape; tests/engines/test_sglang_contract.py pins every field
 against SGLang's source).
 
 Field definitions read from SGLang 0.5.23 (PyPI wheel): `GenerateReqInput` and `UpdateWeightsFromDistributedReqInput`

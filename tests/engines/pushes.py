@@ -11,7 +11,7 @@ import torch
 
 from megatron_sao.distributed import flat_bucket
 from megatron_sao.distributed.update_group import host_store, init_update_group
-from megatron_sao.rollout.client import SGLangClient
+from megatron_sao.engines.client import SGLangClient
 
 
 def in_thread(box: dict[str, Any], key: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> threading.Thread:

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_sao.rollout.engine.model_runner import SamplingParams, load_hf_model
-from megatron_sao.rollout.engine.scheduler import Request, Scheduler
-from megatron_sao.rollout.engine.server import build_state
+from megatron_sao.engines.embedded.model_runner import SamplingParams, load_hf_model
+from megatron_sao.engines.embedded.scheduler import Request, Scheduler
+from megatron_sao.engines.embedded.server import build_state
 
 TOL = 1e-4
 

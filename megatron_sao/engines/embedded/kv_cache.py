@@ -1,4 +1,4 @@
-"""Fixed-slot KV cache of the embedded engine (owned by engine/; model_runner.py drives it).
+"""Fixed-slot KV cache of the embedded engine (owned by embedded/; model_runner.py drives it).
 
 Each running request owns one slot. Per layer the cache holds one tensor of shape [S, *head_dims, L, D] for keys
 and one for values (S slots, L the capacity in tokens, grown by doubling), plus, for DSA models, an indexer-key

@@ -1,6 +1,0 @@
-"""The embedded engine: a CPU server speaking SGLang's HTTP API over a transformers model.
-
-server.py (HTTP routes) -> generate.py (/generate parsing, responses) -> scheduler.py (continuous batching, token
-boundaries) -> model_runner.py (forward, sampling, log-probs) + kv_cache.py (slot KV cache); weights.py and
-hf_names.py apply in-place weight updates broadcast by the trainer. Started by cli.py (`python -m megatron_sao engine`).
-"""

@@ -1,0 +1,141 @@
+"""The package's import graph follows the data flow (README.md "Layout"): a package imports only packages of a
+lower layer (helpers two stages share sit below both), and no module imports itself back through others. Every
+import counts, those inside functions too."""
+
+from __future__ import annotations
+
+import ast
+import itertools
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "megatron_sao"
+
+# lower layers first; packages in one layer do not import each other
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("platform", "config"),
+    ("distributed", "algo", "models", "bus"),  # helpers below the stages
+    ("engines",),  # where generation runs: below everything that talks to an engine
+    ("rollout", "learner", "weight_sync", "convert"),  # the stages
+    ("run",),  # joins the stages on one machine
+    ("launch",),  # places them on a cluster
+    ("plan",),  # sizes a launch
+    ("smoke",),  # entry points: the smoke check, the command line, python -m
+    ("cli",),
+    ("__main__",),
+)
+RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, module: str, known: set[str]) -> set[str]:
+    """The megatron_sao modules `path` imports (absolute and relative, anywhere in the file): `from pkg import name`
+    counts as importing the module pkg.name where there is one, else pkg itself."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "megatron_sao"}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = module.split(".")
+                base = parts[: len(parts) - node.level + (1 if is_package else 0)]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            if target.split(".")[0] == "megatron_sao":
+                subs = {f"{target}.{a.name}" for a in node.names} & known
+                found |= subs if len(subs) == len(node.names) else {target, *subs}
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module(p): p for p in PACKAGE.rglob("*.py")}
+    known = set(files)
+    return {m: {t for t in _imports(p, m, known) if t in files and t != m} for m, p in files.items()}
+
+
+def _stage(module: str) -> str:
+    return module.split(".")[1] if "." in module else ""
+
+
+def test_every_package_has_a_layer() -> None:
+    stages = {_stage(m) for m in _graph()} - {""}
+    assert stages <= set(RANK), f"add {sorted(stages - set(RANK))} to LAYERS"
+
+
+def _against(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{m} -> {t}"
+        for m, targets in graph.items()
+        for t in targets
+        if _stage(m) and _stage(t) and _stage(m) != _stage(t) and RANK[_stage(t)] >= RANK[_stage(m)]
+    )
+
+
+def test_imports_flow_down_the_layers() -> None:
+    against = _against(_graph())
+    assert not against, "imports against the data flow:\n" + "\n".join(against)
+
+
+def test_no_import_cycles() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                return path[path.index(t) :] + [t]
+            if t not in state and (cycle := visit(t)):
+                return cycle
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (cycle := visit(m)):
+            raise AssertionError("import cycle: " + " -> ".join(cycle))
+
+
+def test_the_checks_see_a_violation(tmp_path: Path) -> None:
+    """An upward import, absolute or relative, inside a function or not, is read and reported."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("from megatron_sao.rollout import worker\n\ndef f():\n    from ..run import learn\n")
+    found = _imports(probe, "megatron_sao.engines.probe", {"megatron_sao.rollout.worker", "megatron_sao.run.learn"})
+    assert found == {"megatron_sao.rollout.worker", "megatron_sao.run.learn"}
+    assert _against({"megatron_sao.engines.probe": found}) == [
+        "megatron_sao.engines.probe -> megatron_sao.rollout.worker",
+        "megatron_sao.engines.probe -> megatron_sao.run.learn",
+    ]
+
+
+def test_the_readme_layout_names_every_package_and_command() -> None:
+    from megatron_sao.cli import COMMANDS
+
+    readme = (PACKAGE.parent / "README.md").read_text()
+    layout = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    first, *rest = layout.split("python -m megatron_sao <command>:", 1)[1].split("\n")
+    lines = [first, *itertools.takewhile(lambda line: line.startswith(" " * 20), rest)]  # its continuation lines
+    listed = {c.strip() for c in " ".join(lines).split(",")}
+    assert listed == set(COMMANDS), f"README layout lists {sorted(listed)}, the CLI has {sorted(COMMANDS)}"
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    missing = sorted(p for p in packages if f"  {p}/ " not in layout)
+    assert not missing, f"README layout does not show {missing}"
+
+
+def test_the_stages_take_the_layout_instead_of_reading_megatron_globals() -> None:
+    """learner/, weight_sync/ and convert/ get ranks, sizes and groups from the DistContext init_distributed
+    returned; parallel_state is read in distributed/bootstrap.py (and by the model builders)."""
+    readers = sorted(
+        str(p.relative_to(PACKAGE.parent))
+        for stage in ("learner", "weight_sync", "convert")
+        for p in (PACKAGE / stage).rglob("*.py")
+        if "parallel_state" in p.read_text()
+    )
+    assert not readers, f"read megatron's parallel_state; take the DistContext instead: {readers}"
