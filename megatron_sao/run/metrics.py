@@ -1,7 +1,8 @@
-"""What a run records, in one place: the metrics schema (every key a learner record may hold, what it means, when it
-is there), where records go (<run_dir>/metrics.jsonl, TensorBoard events under <run_dir>/tensorboard, wandb when
-enabled), and the trajectory ledger (<run_dir>/trajectories.jsonl). docs/run.md's metrics table is schema_table()'s
-output; tests/run/test_metrics.py checks that a run writes every key listed and nothing unlisted."""
+"""What a run records, in one place: the metrics schema (every key a record may hold, what it means, when it is
+there) of the learner's records (<run_dir>/metrics.jsonl, TensorBoard events under <run_dir>/tensorboard, wandb when
+enabled) and of each rollout worker's, engines included (<run_dir>/rollout_metrics_<worker>.jsonl, written by
+rollout/worker.py); and the trajectory ledger (<run_dir>/trajectories.jsonl). docs/run.md's metrics tables are
+schema_table()'s output; tests/run/test_metrics.py checks that runs write every key listed and nothing unlisted."""
 
 from __future__ import annotations
 
@@ -22,12 +23,21 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Metric:
     key: str  # exact, or a pattern with * (fnmatch)
-    when: str  # step | policy | critic | group | push | env | pretrain | final
+    when: str  # a key of WHEN
     meaning: str
+    record: str = "learner"  # a key of RECORDS: which file holds it
 
+
+RECORDS = {
+    "learner": "the learner's records: <run_dir>/metrics.jsonl, TensorBoard, wandb",
+    "rollout": "each rollout worker's records, every rollout.log_interval_s: <run_dir>/rollout_metrics_<worker>.jsonl",
+}
 
 WHEN = {
     "step": "every step record",
+    "ppo": "grpo arms with algo.grpo.policy_loss: ppo_clip (the default is dis)",
+    "worker": "every worker record",
+    "engine": "every worker record, one key per engine its router knows (* = the engine's URL)",
     "policy": "policy steps",
     "critic": "arms with a critic (sao; value pre-training)",
     "group": "grpo, grpo_async",
@@ -72,6 +82,12 @@ SCHEMA: tuple[Metric, ...] = (
         "batch (what pre-training's stopping rule watches)",
     ),  # fmt: skip
     Metric("dis/*", "policy", "DIS diagnostics: masked fractions (low / high), ratio mean / max, mismatch KL"),
+    Metric(
+        "ppo/*",
+        "ppo",
+        "PPO-clip diagnostics: clipfrac (tokens whose ratio left [1 - clip_eps, 1 + clip_eps_high]), ratio "
+        "mean / max, approx_kl (k3), logprob_abs_diff, num_action_tokens",
+    ),  # fmt: skip
     Metric("policy/*", "policy", "policy optimizer: grad norm, lr, update_ok"),
     Metric(
         "value/explained_variance",
@@ -112,21 +128,49 @@ SCHEMA: tuple[Metric, ...] = (
     Metric("time/policy", "policy", "the policy update"),
     Metric("time/sync", "step", "weight pushes in the iteration"),
     Metric("time/checkpoint", "step", "saving a checkpoint in the iteration"),
+    # a rollout worker's records (cumulative since the worker started)
+    Metric("time", "worker", "unix time of the record", "rollout"),
+    Metric("worker", "worker", "the worker's id (rollout-0, ...)", "rollout"),
+    Metric("rollout/trajectories", "worker", "trajectories finished and handed to the bus", "rollout"),
+    Metric("rollout/prompts_done", "worker", "prompts all of whose samples were pushed", "rollout"),
+    Metric("rollout/trajectories_per_s", "worker", "rollout/trajectories per second since the start", "rollout"),
+    Metric("rollout/action_tokens_per_s", "worker", "generated (action) tokens per second since the start", "rollout"),
+    Metric("rollout/mean_reward", "worker", "mean reward of the trajectories pushed", "rollout"),
+    Metric("rollout/reissued", "worker", "episodes re-issued after an engine failed them", "rollout"),
+    Metric("rollout/failed", "worker", "episodes given up (re-issue budget spent)", "rollout"),
+    Metric(
+        "rollout/dropped_groups", "worker", "prompt groups dropped because a sample failed (group arms)", "rollout"
+    ),  # fmt: skip
+    Metric("rollout/episode_tokens_mean", "worker", "tokens per episode (prompt, actions, observations)", "rollout"),
+    Metric("rollout/turns_mean", "worker", "generation turns per episode", "rollout"),
+    Metric("rollout/tool_calls_mean", "worker", "tool calls per episode", "rollout"),
+    Metric("rollout/engine_latency_s_mean", "worker", "seconds per turn from request to last token", "rollout"),
+    Metric("rollout/tool_s_mean", "worker", "seconds per tool call", "rollout"),
+    Metric("engine/*/requests", "engine", "requests the router sent to the engine", "rollout"),
+    Metric(
+        "engine/*/failures",
+        "engine",
+        "requests that failed on it (connection, timeout, error status); each marks it unhealthy",
+        "rollout",
+    ),  # fmt: skip
+    Metric("engine/*/tokens", "engine", "tokens it generated for this worker", "rollout"),
+    Metric("engine/*/outstanding", "engine", "requests in flight on it at the record", "rollout"),
 )
 
 
-def schema_entry(key: str) -> Metric | None:
-    """The schema entry a written key falls under (exact keys first)."""
-    for m in SCHEMA:
+def schema_entry(key: str, record: str = "learner") -> Metric | None:
+    """The schema entry a written key of a `record` (RECORDS) falls under (exact keys first)."""
+    entries = [m for m in SCHEMA if m.record == record]
+    for m in entries:
         if m.key == key:
             return m
-    return next((m for m in SCHEMA if "*" in m.key and fnmatch.fnmatchcase(key, m.key)), None)
+    return next((m for m in entries if "*" in m.key and fnmatch.fnmatchcase(key, m.key)), None)
 
 
-def schema_table() -> str:
-    """The schema as the markdown table docs/run.md shows."""
+def schema_table(record: str = "learner") -> str:
+    """The schema of a record (RECORDS) as the markdown table docs/run.md shows."""
     rows = ["| key | when | meaning |", "|---|---|---|"]
-    rows += [f"| `{m.key}` | {WHEN[m.when]} | {m.meaning} |" for m in SCHEMA]
+    rows += [f"| `{m.key}` | {WHEN[m.when]} | {m.meaning} |" for m in SCHEMA if m.record == record]
     return "\n".join(rows)
 
 

@@ -1,8 +1,9 @@
 """Watching a run: one tiny SAO run (value pre-training, then policy steps) writes every key of the metrics schema
 (run/metrics.py) that applies to it and nothing the schema does not list; its TensorBoard events read back with
 TensorBoard's own reader; `plot` draws non-empty PNGs for one run and two; the progress display falls back to
-plain lines without a TTY; the rollout worker writes its own metrics; wandb offline gets the records; docs/run.md
-shows the schema as the code has it."""
+plain lines without a TTY; the rollout worker writes its own metrics, engines' included, each key in its schema; a
+grpo run with the ppo_clip loss writes only listed keys; wandb offline gets the records; docs/run.md shows the
+schemas as the code has them."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from typing import Any
 import pytest
 
 from megatron_sao.run.display import StepDisplay
-from megatron_sao.run.metrics import SCHEMA, schema_entry, schema_table
-from tests.run.test_arms import REPO, _cmd, _env, assert_ledger_ok
+from megatron_sao.run.metrics import RECORDS, SCHEMA, schema_entry, schema_table
+from tests.run.test_arms import ARMS, REPO, _cmd, _env, assert_ledger_ok
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def test_every_schema_key_is_written_and_nothing_else(run_dir: Path) -> None:
     unlisted = sorted(k for k in written if schema_entry(k) is None)
     assert not unlisted, f"written but not in run/metrics.py SCHEMA: {unlisted}"
     for m in SCHEMA:
-        if m.when in ("step", "policy", "critic", "push", "pretrain"):  # what a sao run with pre-training has
+        if m.record == "learner" and m.when in ("step", "policy", "critic", "push", "pretrain"):  # a sao run's
             hit = [k for k in written if schema_entry(k) is m]
             assert hit, f"{m.key} ({m.when}) is in the schema but this run never wrote it"
     steps = [r for r in records if "step/trajectories" in r]
@@ -87,13 +88,33 @@ def test_plot_writes_pngs_for_one_and_two_runs(run_dir: Path, tmp_path: Path) ->
 
 @pytest.mark.multiproc
 def test_the_rollout_worker_writes_its_own_metrics(run_dir: Path) -> None:
-    lines = (run_dir / "rollout_metrics_rollout-0.jsonl").read_text().splitlines()
-    last = json.loads(lines[-1])
+    records = [json.loads(line) for line in (run_dir / "rollout_metrics_rollout-0.jsonl").read_text().splitlines()]
+    last = records[-1]
     assert last["worker"] == "rollout-0" and last["rollout/trajectories"] > 0
-    for key in ("rollout/turns_mean", "rollout/episode_tokens_mean", "rollout/engine_latency_s_mean",
-                "rollout/tool_calls_mean", "rollout/failed"):  # fmt: skip
-        assert key in last
+    written = {k for r in records for k in r}
+    unlisted = sorted(k for k in written if schema_entry(k, "rollout") is None)
+    assert not unlisted, f"written by the worker but not in run/metrics.py SCHEMA (record rollout): {unlisted}"
+    for m in (m for m in SCHEMA if m.record == "rollout"):
+        assert any(schema_entry(k, "rollout") is m for k in written), f"{m.key} is in the schema but never written"
     assert any(k.startswith("engine/http://") and k.endswith("/requests") for k in last)
+    assert schema_entry("rollout/trajectories") is None  # a worker's key is not a learner key
+
+
+@pytest.mark.multiproc
+def test_a_ppo_clip_run_writes_only_listed_keys(tiny_hf_dir: Any, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    cmd = _cmd(tiny_hf_dir("qwen3_moe"), run_dir, *ARMS["grpo"], "--algo.grpo.policy_loss", "ppo_clip",
+               "--learner.max_steps", "2")  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=_env())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    written = {k for r in _records(run_dir) for k in r}
+    unlisted = sorted(k for k in written if schema_entry(k) is None)
+    assert not unlisted, f"written but not in run/metrics.py SCHEMA: {unlisted}"
+    ppo = {k for k in written if k.startswith("ppo/")}
+    assert {"ppo/clipfrac", "ppo/approx_kl", "ppo/ratio_max"} <= ppo and not any(k.startswith("dis/") for k in written)
+    for m in SCHEMA:
+        if m.record == "learner" and m.when in ("group", "ppo"):
+            assert any(schema_entry(k) is m for k in written), f"{m.key} ({m.when}) never written by a ppo_clip run"
 
 
 def test_the_display_is_plain_lines_without_a_tty(capsys: pytest.CaptureFixture[str]) -> None:
@@ -107,6 +128,7 @@ def test_the_display_is_plain_lines_without_a_tty(capsys: pytest.CaptureFixture[
     live.close()
 
 
+@pytest.mark.multiproc  # wandb starts its service process
 def test_wandb_offline_gets_the_records(tmp_path: Path) -> None:
     from megatron_sao.run.metrics import MetricsLog
 
@@ -122,5 +144,7 @@ def test_wandb_offline_gets_the_records(tmp_path: Path) -> None:
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
 
 
-def test_docs_show_the_schema_the_code_has() -> None:
-    assert schema_table() in (REPO / "docs" / "run.md").read_text(), "paste run.metrics.schema_table() into docs/run.md"
+def test_docs_show_the_schemas_the_code_has() -> None:
+    docs = (REPO / "docs" / "run.md").read_text()
+    for record in RECORDS:
+        assert schema_table(record) in docs, f"paste run.metrics.schema_table({record!r}) into docs/run.md"
