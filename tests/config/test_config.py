@@ -148,6 +148,7 @@ def test_malformed_overrides_and_files(tmp_path):
         load_config(None, ["--learner.seed", "1", "--learner.seed.x", "2"])
 
 
+@pytest.mark.multiproc
 def test_cli_config_show_prints_the_resolved_tree_and_check_exits_2_on_errors():
     run = [sys.executable, "-m", "megatron_sao", "config"]
     out = subprocess.run([*run, "show", "--algo.dis.eps_high", "4.5"], capture_output=True, text=True, check=True)

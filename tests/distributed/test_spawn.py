@@ -70,6 +70,7 @@ def test_a_hanging_rank_times_out_with_its_stack():
     assert "ranks [0] of 2 did not finish within 8s" in msg and "_hang_on_rank_zero" in msg
 
 
+@pytest.mark.multiproc
 def test_a_child_whose_run_died_while_it_started_exits_at_once() -> None:
     """The run's pid is in the child's environment: a child whose parent is not (or no longer) that pid -- the run
     was SIGKILLed while the child was still importing -- exits instead of outliving the run."""

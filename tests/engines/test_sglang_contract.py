@@ -208,6 +208,7 @@ def _sent_control_bodies() -> dict[str, Any]:
     return sent
 
 
+@pytest.mark.multiproc
 def test_control_bodies_are_fields_of_sglang_request_structs() -> None:
     sent = _sent_control_bodies()
     for path, cls in CONTROL_STRUCTS.items():

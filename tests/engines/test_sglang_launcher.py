@@ -71,6 +71,7 @@ def test_embedded_command_and_running_engines_need_no_launch() -> None:
     assert engine_commands(RolloutConfig(engine_urls=["http://127.0.0.1:1"]), "/m", 8) == []
 
 
+@pytest.mark.multiproc
 def test_health_wait_reports_an_exited_engine_with_its_log(tmp_path: Path) -> None:
     code = "import sys; print('boom: no GPU'); sys.exit(3)"
     procs = launch([("http://127.0.0.1:9", [sys.executable, "-c", code])], tmp_path)
@@ -78,6 +79,7 @@ def test_health_wait_reports_an_exited_engine_with_its_log(tmp_path: Path) -> No
         wait_healthy(procs, timeout_s=30)
 
 
+@pytest.mark.multiproc
 def test_health_wait_is_bounded(tmp_path: Path) -> None:
     procs = launch([("http://127.0.0.1:9", [sys.executable, "-c", "import time; time.sleep(60)"])], tmp_path)
     try:

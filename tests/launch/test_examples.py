@@ -67,6 +67,7 @@ def _readme_commands(example: str) -> list[str]:
     return commands
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("example", EXAMPLES)
 def test_every_readme_command_runs_in_dry_run_form(example: str, tmp_path: Path) -> None:
     """Each command the README gives, with --dry-run where it takes one (launcher, converters) or --help where the

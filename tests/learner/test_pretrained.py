@@ -76,6 +76,7 @@ def test_converted_hf_weights_train_and_convert_back(tiny_hf_dir, tmp_path):
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
 
 
+@pytest.mark.multiproc
 def test_a_checkpoint_of_another_family_is_refused(tiny_hf_dir, tmp_path):
     from megatron_sao.convert.hf_to_megatron import convert_hf_to_megatron
 

@@ -34,6 +34,7 @@ def planned(hf_dir: Path, role: str, tokens: int, recompute: str) -> Any:
                        recompute=recompute, flash_attention=False, te_layout=False)  # fmt: skip
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("family", FAMILIES)
 def test_memory_matches_measured(tiny: dict[str, Path], family: str) -> None:
     (none,) = spawn_ranks(measure_roles, 1, str(tiny[family]), TOKENS, "none")

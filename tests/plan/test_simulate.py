@@ -61,6 +61,7 @@ def test_one_iteration_serves_the_whole_batch() -> None:
     assert window(growing, 8) - 2.0 == pytest.approx(10 * (0.1 + 0.08))
 
 
+@pytest.mark.multiproc
 def test_calibration_meets_the_target(tmp_path: Path) -> None:
     out = tmp_path / "calibration.json"
     done = subprocess.run([sys.executable, "tools/simulate.py", "calibrate", "--seeds", "3", "--out", str(out)],
@@ -73,6 +74,7 @@ def test_calibration_meets_the_target(tmp_path: Path) -> None:
     assert "speed-up sao/grpo: simulated" in done.stdout
 
 
+@pytest.mark.multiproc
 def test_projection_prints_every_arm(tmp_path: Path) -> None:
     out = tmp_path / "qwen.json"
     done = subprocess.run([sys.executable, "tools/simulate.py", "project", "examples/qwen3_30b/config.yaml", "--nodes",

@@ -78,6 +78,7 @@ def _built(hf_dir: str, layouts: dict[str, dict[str, int]]) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("family", FAMILIES)
 def test_names_shapes_and_shards_match_megatron(tiny: dict[str, Path], family: str) -> None:
     hf_dir = str(tiny[family])

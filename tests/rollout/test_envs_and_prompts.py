@@ -101,6 +101,7 @@ def test_registry_by_name_and_by_import_path() -> None:
         make_env("style_preference", {"schedule": "weekly"})
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("env", ["arithmetic", "style_preference", "verifiable_answer"])
 def test_make_prompts_tool_writes_loadable_jsonl(env: str, tmp_path: Path) -> None:
     out = tmp_path / f"{env}.jsonl"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ def _truncated_copy(hf_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
     return bad, shard
 
 
+@pytest.mark.multiproc
 def test_a_truncated_shard_is_named_by_the_learner_loader_and_the_engine(tiny_hf_dir: Any, tmp_path: Path) -> None:
     from megatron_sao.engines.embedded.model_runner import load_hf_model
     from megatron_sao.models.weights import HFCheckpoint, WeightMismatchError
@@ -31,12 +33,13 @@ def test_a_truncated_shard_is_named_by_the_learner_loader_and_the_engine(tiny_hf
         HFCheckpoint(bad)  # what the learner's load_hf and tools/convert_hf_to_megatron.py read through
     with pytest.raises(ValueError, match=f"{shard} is not a readable safetensors file"):
         load_hf_model(bad)
-    done = subprocess.run(["python", "tools/convert_hf_to_megatron.py", "--hf", str(bad), "--out",
+    done = subprocess.run([sys.executable, "tools/convert_hf_to_megatron.py", "--hf", str(bad), "--out",
                            str(tmp_path / "out"), "--quiet"], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env=_env())  # fmt: skip
     assert done.returncode != 0 and str(shard) in done.stdout + done.stderr
 
 
+@pytest.mark.multiproc
 def test_an_unwritable_run_dir_is_named(tiny_hf_dir: Any, tmp_path: Path) -> None:
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")

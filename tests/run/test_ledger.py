@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from megatron_sao.run.ledger import check_ledger
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,6 +50,7 @@ def test_a_clean_run_with_a_restart_a_stale_drop_and_a_spooled_trajectory_is_ok(
     assert (report.produced, report.consumed, report.voided, report.stale_dropped, report.pending) == (4, 2, 1, 1, 1)
 
 
+@pytest.mark.multiproc
 def test_lost_and_twice_trained_trajectories_and_empty_prompts_are_violations(tmp_path: Path) -> None:
     _write(tmp_path / "ledger" / "w0.jsonl", [*_sent("a", "0:0", 1), _done("0:0", 1.2), *_sent("b", "0:1", 2),
            _done("0:1", 2.2), _done("0:2", 3)])  # fmt: skip

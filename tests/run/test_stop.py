@@ -51,6 +51,7 @@ def test_a_stopped_run_checkpoints_and_resumes(tiny_hf_dir: Any, tmp_path: Path,
     assert_ledger_ok(run_dir)  # across the stop and the resume: every trajectory trained once, dropped or pending
 
 
+@pytest.mark.multiproc
 def test_a_run_refuses_to_start_next_to_a_leftover_on_its_ports(tiny_hf_dir: Any, tmp_path: Path) -> None:
     import os
     import socket

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.multiproc
 def test_the_document_is_rendered_from_the_records(tmp_path: Path) -> None:
     chaos = tmp_path / "records" / "chaos"
     chaos.mkdir(parents=True)
