@@ -6,6 +6,7 @@ skip with the reason."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -28,6 +29,27 @@ def _free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+def _free_range(n: int, attempts: int = 200) -> int:
+    """The first of `n` consecutive ports that are all free now (slurmd's ports are a range: one taken by another
+    process makes its slurmd fail to bind, and the node never comes up)."""
+    rng = random.Random()
+    for _ in range(attempts):
+        first = rng.randrange(20000, 60000 - n)
+        socks: list[socket.socket] = []
+        try:
+            for port in range(first, first + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("0.0.0.0", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise SlurmUnavailable(f"no {n} consecutive free ports found for slurmd")
 
 
 def ensure_installed() -> None:
@@ -95,8 +117,8 @@ def local_cluster(workdir: Path, nodes: int = 3) -> Iterator[dict[str, str]]:
     key = d / "munge.key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o600)
-    ctld, *slurmd = _free_ports(nodes + 1)
-    first = slurmd[0]  # slurmd ports must be a range: take one starting at a free port
+    first = _free_range(nodes)  # slurmd ports are a range
+    ctld = next(p for p in iter(lambda: _free_ports(1)[0], None) if not first <= p < first + nodes)
     conf = d / "slurm.conf"
     conf.write_text(CONF.format(ctld_port=ctld, dir=d, nodes=nodes, first=first, last=first + nodes - 1,
                                 cpus=os.cpu_count() or 2))  # fmt: skip
