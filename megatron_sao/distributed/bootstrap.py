@@ -53,14 +53,9 @@ class DistContext:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def is_first_stage(self, vp_stage: int | None = None) -> bool:
-        """The first pipeline stage (and, with virtual stages, `vp_stage` 0): it holds the embedding."""
-        return self.pp_rank == 0 and (self.vpp is None or vp_stage is None or vp_stage == 0)
-
-    def is_last_stage(self, vp_stage: int | None = None) -> bool:
-        """The last pipeline stage (and, with virtual stages, `vp_stage` vpp - 1): it holds the output layer, the
-        value head, the loss."""
-        return self.pp_rank == self.pp - 1 and (self.vpp is None or vp_stage is None or vp_stage == self.vpp - 1)
+    def is_last_stage(self) -> bool:
+        """The last pipeline stage: it holds the output layer, the value head, the loss."""
+        return self.pp_rank == self.pp - 1
 
     @property
     def holds_outputs(self) -> bool:
