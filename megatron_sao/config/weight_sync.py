@@ -41,7 +41,8 @@ class WeightSyncConfig(Section):
     pause_mode: Literal["in_place", "abort", "retract", "none"] = "in_place"
     """How engines pause during a push: in_place keeps requests and their KV (tokens after the push carry the new
     version), retract requeues them, abort ends them, none keeps generating (the embedded engine stages the push and
-    switches at one step; SGLang waits for running requests before loading)."""
+    switches at one step). none is refused for SGLang engines when a push is more than one update (buckets over
+    all stages): SGLang loads each into the live model and serves requests between them, on mixed weights."""
 
     verify: Literal["auto", "checksum", "sample", "none"] = "auto"
     """Check what the engines hold after a push before it is live: checksum compares every tensor's checksum

@@ -67,10 +67,11 @@ class StageReport:
 class EngineSet:
     """Rank 0's view of the engines across pushes."""
 
-    def __init__(self, cfg: WeightSyncConfig, urls: list[str], backend: str, num_stages: int) -> None:
+    def __init__(self, cfg: WeightSyncConfig, urls: list[str], backend: str, num_stages: int, updates: int = 1) -> None:
+        """`updates`: the update requests (buckets, all stages together) one push makes."""
         if not urls:
             raise ValueError("the weight sync needs at least one engine url")
-        self.cfg, self.backend, self.num_stages = cfg, backend, num_stages
+        self.cfg, self.backend, self.num_stages, self.updates = cfg, backend, num_stages, updates
         self.clients = {u: SGLangClient(u, timeout_s=CONTROL_TIMEOUT_S) for u in urls}
         self.spec: GroupSpec | None = None  # the groups formed now; None: form them at the next push
         self.attempt = 0
@@ -146,6 +147,11 @@ class EngineSet:
                 "then (run one engine per replica: rollout.sglang.dp=1 and more rollout.num_engines)"
             )
         mode = self.cfg.pause_mode
+        if mode == "none" and not proto.staged and self.updates > 1:
+            raise ValueError(f"weight_sync.pause_mode='none': engine {url} runs SGLang {proto.version}, which loads "
+                             f"each of a push's {self.updates} updates into the live model and serves requests in "
+                             "between, on mixed weights under the old version; set weight_sync.pause_mode to "
+                             "'in_place' (or raise weight_sync.bucket_mb until a push is one update)")  # fmt: skip
         if mode != "none" and mode not in proto.pause_modes:
             raise ValueError(f"weight_sync.pause_mode={mode!r}: engine {url} runs SGLang {proto.version}, which can "
                              f"only pause by aborting; set weight_sync.pause_mode to 'abort' or 'none', or upgrade "
@@ -196,7 +202,10 @@ class EngineSet:
                 self.held.pop(m.url, None)
         staged = {m.url for m in spec.members if m.protocol.staged}
         hold = {u for u in bad if u in touched and (u not in staged or bad[u].startswith("verify"))}
-        self.quarantined = (self.quarantined | hold) - (set(m.url for m in spec.members) - hold)
+        # only a complete push that landed lifts a quarantine: a later push that failed before touching an engine
+        # (a connect or open failure) leaves its partial weights exactly as they were
+        landed = {m.url for m in spec.members if version is not None and m.url not in bad}
+        self.quarantined = (self.quarantined | hold) - landed
         go = [self.clients[m.url] for m in spec.members if m.url not in self.quarantined]
         if self.cfg.pause_mode != "none":
             for url, e in failures(self._each(go, lambda c: c.continue_generation())).items():

@@ -78,7 +78,10 @@ class WeightSync:
         )
         self.stage = self.gather.stage
         self.sources_group = dist.new_group(self.plan.sources, backend="gloo")
-        self.engines = EngineSet(cfg, engine_urls, self.backend, len(self.plan.stages)) if self.rank == 0 else None
+        updates = sum(len(st.buckets) for st in self.plan.stages)
+        self.engines: EngineSet | None = None
+        if self.rank == 0:
+            self.engines = EngineSet(cfg, engine_urls, self.backend, len(self.plan.stages), updates)
         self.sender: StageSender | None = None
         self.peak_bytes = 0  # this rank's largest push so far (MemoryMeter)
 

@@ -93,7 +93,7 @@ def trainer(engine_url: str, model_dir: str, port: int) -> dict[str, Any]:
     odd = {"model.norm.weight": new["model.norm.weight"][:1].to(torch.bfloat16), names[1]: new[names[1]]}
     client.begin_weight_update()
     out["misaligned"] = _misaligned(client, odd)
-    client.end_weight_update()
+    out["end_misaligned"] = in_thread(box, "end1", client.end_weight_update).join(60) or box["end1"]
     # cut in the middle: the trainer goes away after the first of three updates (its group is torn down)
     client.begin_weight_update()
     update([client], {n: new[n] * 4 for n in names[:half]}, group)
@@ -146,6 +146,8 @@ def test_session_push_is_staged_atomic_and_switches_mid_generation(start_engine:
     assert isinstance(out["end_refused"], EngineError) and "discarded" in str(out["end_refused"])
     assert out["unchanged"] and out["v_after_refusal"] == 1, "a refused last update must leave the session unapplied"
     assert isinstance(out["misaligned"], EngineError) and "Unaligned" in str(out["misaligned"])
+    # an update refused before receiving fails its session too: what the session staged otherwise never commits
+    assert isinstance(out["end_misaligned"], EngineError) and "Unaligned" in str(out["end_misaligned"])
     assert isinstance(out["end_after_cut"], EngineError) and "no weight-update session" in str(out["end_after_cut"])
     assert out["unchanged_after_cut"] and out["v_after_cut"] == 1, "a cut push must leave the weights untouched"
     assert out["again"]["update"]["success"] and out["again"]["end"]["success"] and out["v_again"] == 3
@@ -226,3 +228,46 @@ def test_a_refused_flush_fails_the_update_and_the_session_from_0_5_22(start_engi
     (out,) = spawn_ranks(flush_trainer, 1, engine.url, str(tiny_dirs["qwen3_moe"]), find_free_port(), timeout_s=200)
     assert isinstance(out["flush"], EngineError) and "cache was not flushed" in str(out["flush"])
     assert "discarded" in out["end"] and out["version"] == 0 and out["alive"]
+
+
+def discard_trainer(engine_url: str, model_dir: str, port: int) -> dict[str, Any]:
+    """A session is discarded (a new update group is initialized) while one of its updates is receiving; the bytes
+    then arrive: nothing of them may reach the live model."""
+    from safetensors.torch import load_file
+
+    client = SGLangClient(engine_url)
+    group = join_group([client], port)
+    base = load_file(f"{model_dir}/model.safetensors")
+    name = "model.norm.weight"
+    client.begin_weight_update()
+    box: dict[str, Any] = {}
+    reply = in_thread(box, "update", client.update_weights_from_distributed, [name], ["float32"],
+                      [list(base[name].shape)], group_name="g", weight_version=7, flush_cache=False)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while client.request("GET", P.SERVER_INFO)["weight_update_groups"]["g"].get("receiving", 0) < 1:
+        assert time.monotonic() < deadline, "the engine never started receiving"
+        time.sleep(0.01)
+    other = join_group([client], find_free_port(), name="g2")  # discards the open session (a new trainer)
+    torch.distributed.broadcast(base[name] * 3, src=0, group=group)  # the receive completes after the discard
+    reply.join(60)
+    out = {"update": box["update"], "rows": _rows(client, name), "base": base[name][:3].float(),
+           "version": client.weight_version()}  # fmt: skip
+    try:
+        out["end"] = client.end_weight_update()
+    except EngineError as e:
+        out["end"] = e
+    destroy_update_group(other)
+    destroy_update_group(group)
+    return out
+
+
+@pytest.mark.multiproc
+def test_an_update_that_lands_after_its_session_was_discarded_is_never_applied(
+    start_engine: Any, tiny_dirs: Any
+) -> None:
+    engine = start_engine(tiny_dirs["qwen3_moe"])
+    engine.wait_healthy()
+    (out,) = spawn_ranks(discard_trainer, 1, engine.url, str(tiny_dirs["qwen3_moe"]), find_free_port(), timeout_s=200)
+    assert isinstance(out["update"], EngineError) and "discarded while it was receiving" in str(out["update"])
+    assert torch.equal(out["rows"], out["base"]) and out["version"] == 0, "a discarded session's bytes were applied"
+    assert isinstance(out["end"], EngineError) and "no weight-update session" in str(out["end"])

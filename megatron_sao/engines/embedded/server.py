@@ -182,7 +182,7 @@ class EngineState:
             None if version is None else str(version),
             load_format=load_format,
         )
-        staged = self.updater.session is not None
+        staged = self.protocol.session  # staged in its session (receive refuses one discarded meanwhile)
         if not staged:
             self.scheduler.apply_update(update)
             self.updater.recycle(update.buffers)

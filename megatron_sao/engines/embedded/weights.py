@@ -53,6 +53,11 @@ class WeightUpdateError(ValueError):
     """A weight-update request the engine refused; the message says what to fix on the trainer side."""
 
 
+def _new_traffic() -> dict[str, Any]:
+    """What an update group carried (the engine's /server_info shows it): tensors, bytes, names, receives now."""
+    return {"tensors": 0, "bytes": 0, "names": [], "receiving": 0}
+
+
 def parse_dtype(name: str) -> torch.dtype:
     try:
         return flat_bucket.dtype_from_name(name)
@@ -80,6 +85,7 @@ class Session:
     failure: str | None = None
     last_activity: float = field(default_factory=time.monotonic)
     buffers: list[torch.Tensor] = field(default_factory=list)  # what the staged tensors live in
+    receiving: int = 0  # updates announced to this session whose bytes are still arriving
 
     def commit(self) -> ReceivedUpdate:
         targets = [t for t, _ in self.staged.values()]
@@ -141,7 +147,7 @@ class WeightUpdater:
         with self._lock:
             self.groups[group_name] = group
             self._group_locks[group_name] = threading.Lock()
-            self.traffic[group_name] = {"tensors": 0, "bytes": 0, "names": []}
+            self.traffic[group_name] = _new_traffic()
         return f"joined update group {group_name!r} as rank {rank_offset} of {world_size}"
 
     def destroy_group(self, group_name: str) -> str:
@@ -169,6 +175,9 @@ class WeightUpdater:
             session, self.session = self.session, None
         if session is None:
             raise WeightUpdateError("no weight-update session is open; call begin_weight_update() first")
+        if session.failure is None and session.receiving:
+            session.failure = (f"{session.receiving} update(s) announced to the session were still receiving when "
+                               "it ended")  # fmt: skip
         if session.failure is not None:
             self.recycle(session.buffers)
             raise WeightUpdateError(f"session discarded, model unchanged: {session.failure}")
@@ -210,12 +219,34 @@ class WeightUpdater:
         load_format: str | None = None,
     ) -> ReceivedUpdate:
         """Receive one update's broadcast(s) from the trainer. Refuses before receiving what SGLang refuses before
-        receiving; refuses after receiving (drained) what does not fit the model. Staged in the open session when
-        there is one (the caller applies it otherwise)."""
-        if self.protocol.session and self.session is None:
+        receiving; refuses after receiving (drained) what does not fit the model. With sessions (SGLang >= 0.5.21)
+        the update is staged in the session open when it was announced, and any refusal fails that session: a
+        session commits only if every update announced to it arrived complete and fit. A session discarded while
+        this update was receiving (its group destroyed, a new group, idle expiry) takes the update with it: nothing
+        received after a discard ever reaches the live model. Without sessions the caller applies the update."""
+        with self._lock:
+            session = self.session
+        if self.protocol.session and session is None:
             raise WeightUpdateError(
                 "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
             )
+        try:
+            return self._receive(session, names, dtypes, shapes, group_name, weight_version, load_format)
+        except WeightUpdateError as e:
+            if session is not None:
+                self._fail(session, str(e))
+            raise
+
+    def _receive(
+        self,
+        session: Session | None,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: str | None,
+        load_format: str | None,
+    ) -> ReceivedUpdate:
         if load_format not in (None, "auto", FLATTENED_BUCKET):
             raise WeightUpdateError(f"load_format={load_format!r}: use null (one tensor per broadcast) or "
                                     f"{FLATTENED_BUCKET!r}")  # fmt: skip
@@ -246,21 +277,31 @@ class WeightUpdater:
                 problems.append(problem)
             targets.append(target)
         with lock:  # one update of a group at a time; other groups go on
+            with self._lock:
+                if session is not None:
+                    session.receiving += 1
+                self._traffic(group_name)["receiving"] += 1
             try:
                 received, buffers = self._broadcasts(group, parsed, shapes, slots)
             except RuntimeError as e:  # the trainer died or timed out mid-broadcast
                 reason = f"receiving over {group_name!r} failed: {e}"
-                self.fail_session(reason)
+                if session is not None:
+                    self._fail(session, reason)
                 self.on_orphaned(reason)
                 raise WeightUpdateError(f"Failed to receive weights over {group_name!r}: {e}") from e
+            finally:
+                with self._lock:
+                    if session is not None:
+                        session.receiving -= 1
+                    self._traffic(group_name)["receiving"] -= 1
         self._record(group_name, names, received)
         if problems:
             self.recycle(buffers)
             shown = "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
-            self.fail_session(shown)
             raise WeightUpdateError(f"update rejected, model unchanged: {shown}")
         update = ReceivedUpdate(targets, received, weight_version, buffers)
-        self._stage(update, names, group_name)
+        if session is not None:
+            self._stage(session, update, names, group_name)
         return update
 
     def _broadcasts(
@@ -300,11 +341,22 @@ class WeightUpdater:
             self._spare.setdefault(b.nbytes, []).append(b)
             kept += b.nbytes
 
-    def _stage(self, update: ReceivedUpdate, names: list[str], group_name: str) -> None:
+    def _fail(self, session: Session, reason: str) -> None:
+        """Mark `session` failed (its commit is refused at end), whether or not it is still the open one."""
         with self._lock:
-            session = self.session
-            if session is None:
-                return
+            if session.failure is None:
+                session.failure = reason
+
+    def _stage(self, session: Session, update: ReceivedUpdate, names: list[str], group_name: str) -> None:
+        """Stage `update` in `session`, the one it was announced to; refused (buffers recycled) when that session
+        was discarded or replaced meanwhile."""
+        with self._lock:
+            if self.session is not session:
+                self._keep(update.buffers)
+                raise WeightUpdateError(
+                    "the weight-update session this update was announced to was discarded while it was receiving; "
+                    "nothing of it is applied (begin a new session and push again)"
+                )
             session.groups.add(group_name)
             session.last_activity = time.monotonic()
             session.buffers.extend(update.buffers)
@@ -313,9 +365,12 @@ class WeightUpdater:
             if update.weight_version is not None:
                 session.weight_version = update.weight_version
 
+    def _traffic(self, group_name: str) -> dict[str, Any]:
+        return self.traffic.setdefault(group_name, _new_traffic())  # caller holds the lock
+
     def _record(self, group_name: str, names: list[str], tensors: list[torch.Tensor]) -> None:
         with self._lock:
-            rec = self.traffic.setdefault(group_name, {"tensors": 0, "bytes": 0, "names": []})
+            rec = self._traffic(group_name)
             rec["tensors"] += len(names)
             rec["bytes"] += sum(t.nbytes for t in tensors)
             rec["names"].extend(names)
