@@ -187,6 +187,8 @@ class StageGather:
                     answering, pending = pending, start_send(bucket, buffer)
                 except WeightSyncError as e:  # an engine refused, or the group broke
                     error = e
+                except Exception as e:  # packing failed here: the members still gather, so stay in step with them
+                    error = WeightSyncError(f"stage {self.stage.stage} bucket {bucket.index}: packing failed: {e!r}")
             for last in (answering, pending):
                 if last is not None and error is None:
                     try:

@@ -90,7 +90,7 @@ class Bucket:
     members: tuple[int, ...]  # the gather group (global ranks, sorted; the source among them)
     contributions: dict[int, list[Piece]]  # each member's pieces, in its contribution's byte order
     contribution_slots: dict[int, list[flat_bucket.Slot]]
-    gather_bytes: int  # every member's contribution, padded to the largest
+    gather_bytes: int  # every member's contribution, padded to the largest, rounded up to the widest dtype
     hf: list[HFEntry]  # in send order (aligned)
     slots: list[flat_bucket.Slot]  # their layout in the send buffer
     hf_of: dict[str, list[str]] = field(default_factory=dict)  # canonical name -> its HF names, in mapping order
@@ -270,7 +270,11 @@ def _bucket(
         contributions[m] = mine
         slots[m] = _layout([f"{p.name}@{p.offset}" for p in mine], [flat_bucket.dtype_from_name(p.dtype) for p in mine],
                            [p.shape for p in mine])  # fmt: skip
-    gather = max((flat_bucket.nbytes(s) for s in slots.values()), default=0)
+    # the contributions lie back to back in the source's receive area, so each must start where the widest dtype
+    # of any of them may start: round the padded size up to it (a float32 router bias or expert bias after a bf16
+    # piece of odd length on an earlier member would otherwise be viewed at an unaligned address)
+    widest = max((sl.dtype.itemsize for ss in slots.values() for sl in ss), default=1)
+    gather = -(-max((flat_bucket.nbytes(s) for s in slots.values()), default=0) // widest) * widest
     hf_of = {n: [e.name for e in _hf_entries(n, pieces[n][0].full_shape, mapping, hf_dtype)] for n in names}
     entries = [e for n in names for e in _hf_entries(n, pieces[n][0].full_shape, mapping, hf_dtype)]
     entries = flat_bucket.aligned_order(entries, lambda e: e.dtype)

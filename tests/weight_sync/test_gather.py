@@ -4,6 +4,7 @@ stage's tensors, with the extra memory of every rank within the plan's bound (tw
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -80,3 +81,60 @@ def test_stage_gathers_reproduce_the_hf_checkpoint_within_the_memory_bound(
     src = per_rank[min(sources)]
     assert max(src["buckets"]) > 1 and len(src["buckets"]) > 3, src["buckets"]  # several buckets of several tensors
     assert src["peak"] > BUCKET, "the source held at least one bucket (the meter counts)"
+
+
+def _mixed_dtypes(hf_dir: str) -> dict[str, Any]:
+    """Two ranks of one stage hold pieces of a bf16 norm (rank 0 an odd 3 elements) and of an fp32 expert bias: the
+    source receives rank 1's contribution right after rank 0's padded one."""
+    import json
+
+    import torch.distributed as dist
+
+    from megatron_sao.models.builder import ModelSpec
+    from megatron_sao.models.weights import weight_mapping
+    from megatron_sao.weight_sync.gather import StageGather, hf_views
+    from megatron_sao.weight_sync.plan import Piece, RankInfo, build_plan
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    hf = json.loads((Path(hf_dir) / "config.json").read_text())
+    hidden, experts = int(hf["hidden_size"]), int(hf["n_routed_experts"])
+    norm = torch.randn(hidden, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    bias = torch.randn(experts, generator=torch.Generator().manual_seed(2))
+    cut = {"decoder.final_layernorm.weight": (norm, 3), "decoder.layers.1.mlp.router.expert_bias": (bias, 1)}
+    pieces = []
+    for name, (full, at) in cut.items():
+        lo, hi = (0, at) if rank == 0 else (at, full.shape[0])
+        dtype = str(full.dtype).removeprefix("torch.")
+        pieces.append((Piece(rank, name, tuple(full.shape), (lo,), (hi - lo,), dtype), full[lo:hi].clone()))
+    infos: list[Any] = [None, None]
+    dist.all_gather_object(infos, RankInfo(rank, 0, "h", tuple(p for p, _ in pieces)))
+    mapping = weight_mapping(ModelSpec.from_hf_dir(hf_dir))
+    hf_dtype = {"model.norm.weight": torch.bfloat16}
+    plan = build_plan(infos, mapping, lambda n: hf_dtype.get(n, torch.float32), 1 << 20)
+    groups = {m: dist.new_group(list(m)) for m in plan.gather_groups}
+    gather = StageGather(plan.stage_of(rank), rank, pieces, groups, mapping, torch.device("cpu"))
+    got: dict[str, torch.Tensor] = {}
+
+    class _Landed:
+        def landed(self) -> None:
+            return None
+
+        def wait(self) -> None:
+            return None
+
+    def keep(bucket: Any, buffer: torch.Tensor) -> _Landed:
+        got.update((n, v.clone()) for n, v in hf_views(bucket, buffer))
+        return _Landed()
+
+    gather.run(keep if gather.is_source else None)
+    bucket = plan.stages[0].buckets[0]
+    return {"got": got, "norm": norm, "bias": bias, "gather_bytes": bucket.gather_bytes}
+
+
+@pytest.mark.multiproc
+def test_a_float32_piece_after_an_odd_bf16_contribution_is_gathered_aligned(tiny_hf_dir: Any) -> None:
+    source, _ = spawn_ranks(_mixed_dtypes, 2, str(tiny_hf_dir("glm4_moe")), timeout_s=200)
+    assert source["gather_bytes"] % 4 == 0
+    assert torch.equal(source["got"]["model.norm.weight"], source["norm"])
+    assert torch.equal(source["got"]["model.layers.1.mlp.gate.e_score_correction_bias"], source["bias"])
