@@ -59,6 +59,7 @@ class StageReport:
     tensors: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    order_wait_s: float = 0.0  # waiting for the bucket before each of this stage's in the push order
     peak_bytes: int = 0
     checksums: dict[str, str] = field(default_factory=dict)  # HF name -> SGLang checksum of what was sent
     samples: dict[str, list] = field(default_factory=dict)  # HF name -> its first rows as sent (floats)

@@ -8,6 +8,15 @@ engines. A bucket travels as ONE broadcast of its flat buffer when every member 
 "flattened_bucket"` (SGLang >= 0.5.6), else one broadcast per tensor (older SGLang), in the order the request
 lists them.
 
+One order on every engine: an SGLang engine runs one weight update at a time (its tokenizer manager holds the
+model-update lock, or the pause condition, until the scheduler's single thread has received and loaded it), in the
+order the requests arrive. Stage sources sending at once would reach two engines in different orders, and with NCCL
+the stages' broadcasts would then wait on each other across engines: a hang. So the buckets of all stages go in ONE
+order, the same on every engine (`PushOrder`): bucket k of stage s is announced only once the bucket before it in
+that order landed on every engine (k of stage s-1, or k-1 of the last stage); each engine therefore has at most one
+update in flight. Stages still gather and pack at once; what they no longer do is receive at once, which an SGLang
+engine never did.
+
 Failure: an engine that refuses a request before receiving (SGLang: no session, a bad layout) leaves the broadcast
 with nobody to meet, and one that dies mid-bucket leaves it hanging; both are bounded by weight_sync.bucket_timeout_s,
 after which the group is marked broken and aborted (NCCL: the communicator is aborted, so torch's watchdog does not
@@ -165,6 +174,84 @@ def describe(errors: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+class PushOrder:
+    """The one order in which every stage's buckets reach the engines during one push: round by round, bucket k of
+    stage 0, 1, ... (a stage with fewer buckets drops out). A stage source waits for its predecessor in that order to
+    have landed before announcing a bucket, and publishes each of its own buckets' outcome (landed, or failed) in
+    the learner's store, so a failed stage stops the ones after it at once instead of at their timeouts.
+
+    One object per push on each stage source (`push_id` counts pushes; every source counts the same). With one
+    stage nothing is waited for or published: a stage's own buckets are already sent one after the other."""
+
+    def __init__(self, counts: list[int], stage: int, push_id: int, timeout_s: float, store: Any = None) -> None:
+        self.stage, self.timeout_s = stage, timeout_s
+        self.sequence = [(st, k) for k in range(max(counts, default=0)) for st, n in enumerate(counts) if k < n]
+        self._position = {key: i for i, key in enumerate(self.sequence)}
+        self.store = None
+        if len(counts) > 1:
+            from torch.distributed import PrefixStore
+            from torch.distributed.distributed_c10d import _get_default_store  # the learner's rendezvous store
+
+            self.store = PrefixStore(f"weight_sync/order/{push_id}", store or _get_default_store())
+        self._published: set[int] = set()
+        self._lock = threading.Lock()
+        self.waited_s = 0.0  # time this source spent waiting for its turn
+
+    @staticmethod
+    def key(stage: int, index: int) -> str:
+        return f"{stage}/{index}"
+
+    def wait_turn(self, index: int) -> None:
+        """Return once the bucket before (this stage, `index`) in the order landed; WeightSyncError when it failed or
+        did not land within weight_sync.bucket_timeout_s."""
+        if self.store is None:
+            return
+        position = self._position[(self.stage, index)]
+        if position == 0:
+            return
+        before = self.key(*self.sequence[position - 1])
+        t0 = time.monotonic()
+        # polled, not store.wait(): a blocking wait would hold the store connection this process's landing
+        # publisher needs, and the stage before ours may be waiting for exactly that publication
+        while not self.store.check([before]):
+            if time.monotonic() - t0 > self.timeout_s:
+                self.waited_s += time.monotonic() - t0
+                raise WeightSyncError(f"stage {self.stage} bucket {index}: bucket {before} (stage/index) before it in "
+                                      f"the push order did not land within {self.timeout_s:.0f}s")  # fmt: skip
+            time.sleep(0.0005)
+        self.waited_s += time.monotonic() - t0
+        outcome = self.store.get(before).decode()
+        if outcome != "landed":
+            raise WeightSyncError(f"stage {self.stage} bucket {index}: not sent, bucket {before} (stage/index) "
+                                  f"before it in the push order failed: {outcome}")  # fmt: skip
+
+    def publish(self, index: int, outcome: str) -> None:
+        """Record bucket `index` of this stage as "landed" or failed (the first outcome published stays)."""
+        if self.store is None:
+            return
+        with self._lock:
+            if index in self._published:
+                return
+            self._published.add(index)
+        self.store.set(self.key(self.stage, index), outcome)
+
+    def finish(self, failure: str | None) -> None:
+        """End of this source's part of the push: every bucket of its stage not yet published is published, as
+        landed when the stage succeeded (`failure` None: every bucket was waited for), else as failed, so no later
+        stage waits for it."""
+        for st, k in self.sequence:
+            if st == self.stage:
+                self.publish(k, "landed" if failure is None else f"failed: {failure}")
+
+    def cleanup(self) -> None:
+        """Delete this stage's keys (called at the next push, when every source has read them)."""
+        if self.store is None:
+            return
+        for st, k in self.sequence:
+            if st == self.stage and k in self._published:
+                self.store.delete_key(self.key(st, k))
+
+
 class StageSender:
     """The source of one pipeline stage: its update group and the buckets it sends."""
 
@@ -174,6 +261,7 @@ class StageSender:
         self.touched: set[str] = set()  # engines that got an update request this push
         self.broken = False
         self.stats = {"buckets": 0, "tensors": 0, "bytes": 0}
+        self.order: PushOrder | None = None  # this push's order across stages (set by sync.py per push)
 
     @property
     def group_name(self) -> str:
@@ -212,7 +300,10 @@ class StageSender:
         return cls(stage, spec, box["group"], address)
 
     def start(self, bucket: Bucket, buffer: torch.Tensor) -> _PendingSend:
-        """Announce `bucket` to every member and broadcast its buffer (async); wait() on the handle."""
+        """Announce `bucket` to every member, once its turn in the push order came, and broadcast its buffer
+        (async); wait() on the handle. Its landing is published to the push order as soon as it happens."""
+        if self.order is not None:
+            self.order.wait_turn(bucket.index)
         names = [s.name for s in bucket.slots]
         dtypes = [flat_bucket.dtype_name(s.dtype) for s in bucket.slots]
         shapes = [list(s.shape) for s in bucket.slots]
@@ -234,7 +325,10 @@ class StageSender:
         self.stats["buckets"] += 1
         self.stats["tensors"] += len(names)
         self.stats["bytes"] += buffer.nbytes
-        return _PendingSend(self, bucket, threads, box, works, time.monotonic() + timeout)
+        pending = _PendingSend(self, bucket, threads, box, works, time.monotonic() + timeout)
+        if self.order is not None and self.order.store is not None:
+            threading.Thread(target=pending.publish_landing, args=(self.order,), daemon=True).start()
+        return pending
 
     def send_marker(self, version: int, flush_cache: bool) -> dict[str, Any]:
         """The end-of-push marker (an update with no tensors that carries weight_version) to every member; it tags
@@ -276,6 +370,17 @@ class _PendingSend:
     works: list[Any]
     deadline: float
     grace_s: float = field(default=5.0)
+
+    def publish_landing(self, order: PushOrder) -> None:
+        """(Its own thread.) Publish "landed" to the push order the moment the broadcast completed, so the next
+        stage's bucket is announced without waiting for this source to come back to this bucket; a failure is
+        published by whoever sees it first (this thread, or the source's finish)."""
+        try:
+            self.landed()
+        except WeightSyncError as e:
+            order.publish(self.bucket.index, f"failed: {e}")
+            return
+        order.publish(self.bucket.index, "landed")
 
     def landed(self) -> None:
         """Return once the broadcast completed: every engine holds the bucket's bytes and is past its receive, so the

@@ -36,7 +36,7 @@ from megatron_sao.models.weights import weight_mapping
 from megatron_sao.weight_sync.engines import EngineSet, StageReport
 from megatron_sao.weight_sync.gather import MemoryMeter, StageGather, hf_views, local_pieces, rank_info
 from megatron_sao.weight_sync.plan import Bucket, TransferPlan, build_plan
-from megatron_sao.weight_sync.sender import GroupSpec, StageSender, WeightSyncError
+from megatron_sao.weight_sync.sender import GroupSpec, PushOrder, StageSender, WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,8 @@ class WeightSync:
             self.engines = EngineSet(cfg, engine_urls, self.backend, len(self.plan.stages), updates)
         self.sender: StageSender | None = None
         self.peak_bytes = 0  # this rank's largest push so far (MemoryMeter)
+        self.pushes = 0  # pushes begun, counted alike on every rank (names each push's order in the store)
+        self.order: PushOrder | None = None  # the last push's order across stages (its keys go at the next)
 
     @property
     def is_source(self) -> bool:
@@ -93,6 +95,7 @@ class WeightSync:
     def push(self, version: int) -> dict[str, float]:
         """Collective over the learner's world: put `version`'s weights on the engines; rank 0's metrics."""
         t0 = time.monotonic()
+        self.pushes += 1
         decision: Any = None
         if self.engines is not None:
             try:
@@ -181,10 +184,18 @@ class WeightSync:
                     report.samples[name] = view[:SAMPLE_ROWS].float().cpu().tolist()
 
         sender = self.sender
+        if sender is not None:
+            if self.order is not None:
+                self.order.cleanup()
+            counts = [len(st.buckets) for st in self.plan.stages]
+            self.order = sender.order = PushOrder(counts, self.stage.stage, self.pushes, self.cfg.bucket_timeout_s)
         try:
             self.gather.run(sender.start if sender is not None else None, on_packed if sender is not None else None)
         except WeightSyncError as e:
             report.error = str(e)
+        if sender is not None and sender.order is not None:
+            sender.order.finish(report.error)
+            report.order_wait_s = sender.order.waited_s
         self.peak_bytes = max(self.peak_bytes, self.gather.meter.peak)
         report.peak_bytes, report.seconds = self.gather.meter.peak, time.monotonic() - t0
         if sender is not None:
@@ -218,6 +229,7 @@ class WeightSync:
             "sync/tensors": float(sum(r.tensors for r in reports)),
             "sync/bytes": float(sum(r.bytes for r in reports)),
             "sync/stage_seconds_max": max(r.seconds for r in reports),
+            "sync/order_wait_max": max(r.order_wait_s for r in reports),
             "sync/peak_mb": max(r.peak_bytes for r in reports) / 2**20,
             "sync/flattened": float(spec.load_format is not None),
             "sync/failed": float(bool(bad)),

@@ -81,12 +81,14 @@ def _train_push_compare(hf_dir: str, layout: dict[str, int], urls: list[str], po
         outs = [c.generate(PROMPT, {"max_new_tokens": 10, **GREEDY}) for c in clients]
         info = [c.request("GET", P.SERVER_INFO) for c in clients]
         box[0] = {"outs": outs, "groups": [i["weight_update_groups"] for i in info],
+                  "orders": [i["weight_update_order"] for i in info],
                   "versions": [c.weight_version() for c in clients]}  # fmt: skip
     dist.broadcast_object_list(box, src=0)
     engine = box[0]
     mine = [_learner_logprobs(learner, PROMPT + o.output_ids, len(PROMPT)) for o in engine["outs"]]
     out = {"metrics": metrics, "peak": sync.peak_bytes, "bound": sync.plan.memory_bound(), "learner_logp": mine,
-           "stage_names": {s.stage: s.hf_names for s in sync.plan.stages}, **engine}  # fmt: skip
+           "stage_names": {s.stage: s.hf_names for s in sync.plan.stages},
+           "counts": [len(s.buckets) for s in sync.plan.stages], **engine}  # fmt: skip
     sync.close()
     return out
 
@@ -114,6 +116,12 @@ def test_four_rank_learner_pushes_each_stage_to_two_engines_and_logprobs_match(
         for stage, rec in by_stage.items():
             assert sorted(rec["names"]) == sorted(stage_names[stage]), f"stage {stage} sent other layers"
         assert "model.embed_tokens.weight" in by_stage[0]["names"] and "model.norm.weight" in by_stage[1]["names"]
+    # one order on every engine (SGLang receives one update at a time): round by round over the stages, then the
+    # end-of-push marker on stage 0's group
+    counts = per_rank[0]["counts"]
+    expected = [s for k in range(max(counts)) for s, n in enumerate(counts) if k < n] + [0]
+    for order in per_rank[0]["orders"]:
+        assert [int(name.split("_pp")[1].split("_")[0]) for name in order] == expected
     logps = [r["learner_logp"] for r in per_rank if r["learner_logp"][0] is not None]
     assert logps, "no rank returned the learner's log-probs"
     for learner_logp, out in zip(logps[0], per_rank[0]["outs"]):

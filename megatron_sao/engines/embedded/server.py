@@ -41,6 +41,10 @@ EMULATED_SGLANG = "0.5.23"
 """The SGLang release whose rules the embedded engine follows unless told otherwise (--emulate-sglang)."""
 
 
+ORDER_SHOWN = 10_000
+"""/server_info's weight_update_order: the group of each of the last this many updates, in the order received."""
+
+
 class EngineState:
     """Everything the HTTP handlers need: the scheduler, the weight updater and static model facts."""
 
@@ -120,6 +124,7 @@ class EngineState:
             "dp_size": 1,
             "load": self.scheduler.load(),
             "weight_update_groups": {k: dict(v, names=list(v["names"])) for k, v in self.updater.traffic.items()},
+            "weight_update_order": list(self.updater.order[-ORDER_SHOWN:]),
         }
 
     def _check_weights(self, body: dict[str, Any]) -> tuple[int, Any]:

@@ -8,8 +8,12 @@ Protocol (SGLang's; the rules of the SGLang release in `ServerProtocol`, engines
   trainer rank; several named groups may coexist (one per learner pipeline stage).
 - `/update_weights_from_distributed` lists `names`, `dtypes`, `shapes`; the trainer then broadcasts each tensor from
   rank 0 in that order, or, with `load_format="flattened_bucket"`, one uint8 buffer holding them all
-  (distributed/flat_bucket.py). Requests of one group are received one at a time; different groups concurrently
-  (with NCCL a real server's receives do not block its scheduler either).
+  (distributed/flat_bucket.py).
+- One weight-control request at a time, whatever its group, in arrival order: SGLang's tokenizer manager holds its
+  model-update lock (or, while paused, its pause condition) until the scheduler's one thread has joined the group,
+  received the update, or opened / closed the session (`serial`). So two update groups' requests reach this
+  engine one after the other, and a trainer whose stages reach two engines in different orders hangs here as it
+  would on SGLang. (Generation, unlike on SGLang, goes on while an update is received: it is staged.)
 - What SGLang refuses before receiving, this engine refuses before receiving too (the trainer's broadcast then has
   nobody to meet: it must time out): an update outside a session (0.5.21+), a flattened bucket with an unaligned
   offset, an unknown group or load format. What SGLang receives and then fails to load (a name the model does not
@@ -104,8 +108,9 @@ class WeightUpdater:
         self.tensors: dict[str, torch.Tensor] = dict(model.state_dict())  # share storage with the model
         self.protocol = protocol
         self.groups: dict[str, Any] = {}  # group name -> the update process group (distributed/update_group.py)
-        self._group_locks: dict[str, threading.Lock] = {}
-        self._lock = threading.Lock()  # guards groups, the session and the traffic record
+        self.serial = threading.Lock()  # SGLang's model-update lock: one weight-control request at a time
+        self._lock = threading.Lock()  # guards groups, the session and the traffic record (taken inside serial)
+        self.order: list[str] = []  # the group of every update received, in the order the receives began
         self.session: Session | None = None
         self.traffic: dict[str, dict[str, Any]] = {}  # group name -> what it carried (tensors, bytes, names)
         # receive buffers of committed or discarded pushes, by size, for the next push (fresh host memory costs its
@@ -113,8 +118,29 @@ class WeightUpdater:
         self._spare: dict[int, list[torch.Tensor]] = {}
         self._spare_limit = sum(t.nbytes for t in self.tensors.values())
 
-    # ---- process groups -----------------------------------------------------------------------------------------
+    # ---- the weight-control requests, one at a time (SGLang's model-update lock) ---------------------------------
     def init_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+    ) -> str:
+        """Join update group `group_name` as rank `rank_offset` (blocks until every rank has joined)."""
+        with self.serial:
+            return self._init_group(master_address, master_port, rank_offset, world_size, group_name, backend)
+
+    def destroy_group(self, group_name: str) -> str:
+        with self.serial:
+            return self._destroy_group(group_name)
+
+    def begin(self) -> str:
+        with self.serial:
+            return self._begin()
+
+    def end(self) -> tuple[ReceivedUpdate | None, str]:
+        """Close the session: the update to commit (None: nothing to commit, or discarded) and a message."""
+        with self.serial:
+            return self._end()
+
+    # ---- process groups -----------------------------------------------------------------------------------------
+    def _init_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
     ) -> str:
         """Join update group `group_name` as rank `rank_offset` (blocks until every rank has joined)."""
@@ -128,7 +154,6 @@ class WeightUpdater:
             )
         with self._lock:
             stale = self.groups.pop(group_name, None)  # SGLang replaces a group of the same name (a new trainer)
-            self._group_locks.pop(group_name, None)
             self._discard_session(f"a new update group {group_name!r} is being initialized")
         if stale is not None:
             log.warning("update group %r is replaced by a new one of the same name", group_name)
@@ -146,30 +171,28 @@ class WeightUpdater:
             ) from e
         with self._lock:
             self.groups[group_name] = group
-            self._group_locks[group_name] = threading.Lock()
             self.traffic[group_name] = _new_traffic()
         return f"joined update group {group_name!r} as rank {rank_offset} of {world_size}"
 
-    def destroy_group(self, group_name: str) -> str:
+    def _destroy_group(self, group_name: str) -> str:
         with self._lock:
             if group_name not in self.groups:
                 raise WeightUpdateError("The group to be destroyed does not exist.")
             group = self.groups.pop(group_name)
-            self._group_locks.pop(group_name, None)
             if self.session is not None and group_name in self.session.groups:
                 self._discard_session(f"update group {group_name!r} it received from was destroyed")
         destroy_update_group(group)
         return f"destroyed update group {group_name!r}"
 
     # ---- the session (SGLang >= 0.5.21) -------------------------------------------------------------------------
-    def begin(self) -> str:
+    def _begin(self) -> str:
         with self._lock:
             if self.session is not None:
                 raise WeightUpdateError("a weight-update session is already open; call end_weight_update() first")
             self.session = Session()
         return "Success"
 
-    def end(self) -> tuple[ReceivedUpdate | None, str]:
+    def _end(self) -> tuple[ReceivedUpdate | None, str]:
         """Close the session: the update to commit (None: nothing to commit, or discarded) and a message."""
         with self._lock:
             session, self.session = self.session, None
@@ -195,8 +218,9 @@ class WeightUpdater:
         """Discard a session no update touched for session_timeout_s (its trainer is gone); True when one was."""
         with self._lock:
             session = self.session
-            if session is None or time.monotonic() - session.last_activity < self.session_timeout_s:
-                return False
+            idle = session is not None and time.monotonic() - session.last_activity >= self.session_timeout_s
+            if session is None or session.receiving or not idle:
+                return False  # a session receiving an update is not idle: its trainer is sending
             self._discard_session(f"no update for {self.session_timeout_s:.0f}s: the trainer that began it is gone")
         self.on_orphaned("the weight-update session sat idle past its timeout")
         return True
@@ -231,7 +255,8 @@ class WeightUpdater:
                 "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
             )
         try:
-            return self._receive(session, names, dtypes, shapes, group_name, weight_version, load_format)
+            with self.serial:
+                return self._receive(session, names, dtypes, shapes, group_name, weight_version, load_format)
         except WeightUpdateError as e:
             if session is not None:
                 self._fail(session, str(e))
@@ -255,8 +280,8 @@ class WeightUpdater:
                 f"load_format={FLATTENED_BUCKET!r} needs SGLang >= 0.5.6 (this engine follows {self.protocol.version})"
             )
         with self._lock:
-            group, lock = self.groups.get(group_name), self._group_locks.get(group_name)
-        if group is None or lock is None:
+            group = self.groups.get(group_name)
+        if group is None:
             raise WeightUpdateError(
                 f"Group {group_name} not in {sorted(self.groups)}. Please call `init_weights_update_group` first."
             )
@@ -276,24 +301,25 @@ class WeightUpdater:
             if problem:
                 problems.append(problem)
             targets.append(target)
-        with lock:  # one update of a group at a time; other groups go on
+        with self._lock:
+            if session is not None:
+                session.receiving += 1
+                session.last_activity = time.monotonic()
+            self._traffic(group_name)["receiving"] += 1
+            self.order.append(group_name)
+        try:
+            received, buffers = self._broadcasts(group, parsed, shapes, slots)
+        except RuntimeError as e:  # the trainer died or timed out mid-broadcast
+            reason = f"receiving over {group_name!r} failed: {e}"
+            if session is not None:
+                self._fail(session, reason)
+            self.on_orphaned(reason)
+            raise WeightUpdateError(f"Failed to receive weights over {group_name!r}: {e}") from e
+        finally:
             with self._lock:
                 if session is not None:
-                    session.receiving += 1
-                self._traffic(group_name)["receiving"] += 1
-            try:
-                received, buffers = self._broadcasts(group, parsed, shapes, slots)
-            except RuntimeError as e:  # the trainer died or timed out mid-broadcast
-                reason = f"receiving over {group_name!r} failed: {e}"
-                if session is not None:
-                    self._fail(session, reason)
-                self.on_orphaned(reason)
-                raise WeightUpdateError(f"Failed to receive weights over {group_name!r}: {e}") from e
-            finally:
-                with self._lock:
-                    if session is not None:
-                        session.receiving -= 1
-                    self._traffic(group_name)["receiving"] -= 1
+                    session.receiving -= 1
+                self._traffic(group_name)["receiving"] -= 1
         self._record(group_name, names, received)
         if problems:
             self.recycle(buffers)
