@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from megatron_sao.config.base import Section
+
+GROUP_TIMEOUT_MARGIN_S = 60.0
+"""group_timeout_s exceeds bucket_timeout_s by at least this: the refusal grace and the abort itself fit in it."""
 
 
 class WeightSyncConfig(Section):
@@ -57,6 +60,22 @@ class WeightSyncConfig(Section):
 
     bucket_timeout_s: float = Field(default=300.0, gt=0)
     """One bucket reaching every engine; past it the group is aborted, the push fails and is retried later."""
+
+    group_timeout_s: float = Field(default=1800.0, gt=0)
+    """The update groups' collective timeout on the learner (what torch's NCCL watchdog enforces). It must exceed
+    bucket_timeout_s with room to spare: a source aborts its group as soon as a bucket failed or timed out, and that
+    abort has to come before the watchdog would end the learner (docs/weight_sync.md, "A dead engine mid-push")."""
+
+    @model_validator(mode="after")
+    def _check(self) -> WeightSyncConfig:
+        if self.group_timeout_s < self.bucket_timeout_s + GROUP_TIMEOUT_MARGIN_S:
+            raise ValueError(
+                f"weight_sync.group_timeout_s={self.group_timeout_s:g} must be at least weight_sync.bucket_timeout_s "
+                f"({self.bucket_timeout_s:g}) + {GROUP_TIMEOUT_MARGIN_S:g}: a failed bucket is detected at "
+                "bucket_timeout_s and its group aborted then, before the collective timeout would end the learner; "
+                "raise group_timeout_s or lower bucket_timeout_s"
+            )
+        return self
 
     @property
     def bucket_bytes(self) -> int:

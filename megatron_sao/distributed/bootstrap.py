@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sao.config.parallel import ParallelConfig
+from megatron_sao.distributed.update_group import NCCL_ERROR_HANDLING
 from megatron_sao.platform import activate
 
 
@@ -118,6 +119,8 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234, timeout_s: floa
     parallel.check_world_size(world_size)
     if platform.dist_backend == "nccl":
         torch.cuda.set_device(platform.device)
+        for key, value in NCCL_ERROR_HANDLING.items():  # before any NCCL group exists
+            os.environ.setdefault(key, value)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         # One rank outside torchrun has nobody to meet: a free port, never one left in the environment by another

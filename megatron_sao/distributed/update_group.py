@@ -19,6 +19,15 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
+NCCL_ERROR_HANDLING = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+"""The NCCL environment a learner that survives a dead engine relies on (set by distributed.init_distributed unless
+the user set it): 2 is torch's CleanUpOnly, where a failed or timed-out collective aborts its communicator and
+raises in `work.wait()`. torch's default (3, SkipCleanUp) and 1 (TearDown) end the whole process from the watchdog
+thread the moment any group's work fails -- an engine that dies mid-push would take the learner with it. The
+weight sync aborts a broken update group itself (abort_update_group) well inside its collective timeout
+(weight_sync.group_timeout_s), so the watchdog never has to; a collective of the learner's own groups that fails
+still raises in the training step and ends the run with its error."""
+
 
 def host_store(
     master_address: str, master_port: int, world_size: int, timeout_s: float, tries: int = 16
@@ -41,13 +50,15 @@ def host_store(
 
 def init_update_group(
     backend: str, master_address: str, master_port: int, world_size: int, rank: int, group_name: str,
-    timeout_s: float, store: Any = None,
+    timeout_s: float, store: Any = None, collective_timeout_s: float | None = None,
 ) -> Any:  # fmt: skip
     """Join (rank 0: host, or pass the store host_store() bound) the update group; blocks until all `world_size`
-    ranks joined or `timeout_s` passed."""
+    ranks joined or `timeout_s` passed. `collective_timeout_s` (default `timeout_s`): the group's collective timeout,
+    which torch's NCCL watchdog enforces by ending the process."""
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     timeout = datetime.timedelta(seconds=timeout_s)
+    collective = datetime.timedelta(seconds=collective_timeout_s or timeout_s)
     # The store a tcp:// rendezvous makes, built directly: under torchrun, rendezvous() would make rank 0 a client of
     # the elastic agent's store (TORCHELASTIC_USE_AGENT_STORE), and nobody would serve this group's port.
     if store is None:
@@ -57,7 +68,7 @@ def init_update_group(
     params = inspect.signature(_new_process_group_helper).parameters
     options = {"backend_options" if "backend_options" in params else "pg_options": None}
     group, _ = _new_process_group_helper(
-        world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout, **options
+        world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=collective, **options
     )
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group

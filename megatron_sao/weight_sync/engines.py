@@ -126,7 +126,7 @@ class EngineSet:
             members=tuple(members), attempt=self.attempt, num_stages=self.num_stages, group_name=self.cfg.group_name,
             master_port=self.cfg.master_port, master_addr=self.cfg.master_addr, backend=self.backend,
             load_format=self._load_format(members), connect_timeout_s=self.cfg.connect_timeout_s,
-            bucket_timeout_s=self.cfg.bucket_timeout_s,
+            bucket_timeout_s=self.cfg.bucket_timeout_s, group_timeout_s=self.cfg.group_timeout_s,
         )  # fmt: skip
         self.attempt += 1
         self.spec = spec

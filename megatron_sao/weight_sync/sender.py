@@ -82,6 +82,7 @@ class GroupSpec:
     load_format: str | None
     connect_timeout_s: float
     bucket_timeout_s: float
+    group_timeout_s: float = 1800.0  # the group's collective timeout (NCCL watchdog), > bucket_timeout_s
 
     @property
     def world(self) -> int:
@@ -286,7 +287,7 @@ class StageSender:
 
         def join() -> None:
             box["group"] = init_update_group(spec.backend, address, port, spec.world, 0, name, spec.connect_timeout_s,
-                                             store=store)  # fmt: skip
+                                             store=store, collective_timeout_s=spec.group_timeout_s)  # fmt: skip
 
         refused = lambda key, result: key != "trainer" and bool(failures({key: result}))  # noqa: E731
         results = in_threads({**calls, "trainer": join}, spec.connect_timeout_s + 20, give_up=refused)  # fail fast
@@ -341,11 +342,13 @@ class StageSender:
         return in_threads(calls, self.spec.bucket_timeout_s)
 
     def close(self) -> None:
-        """Drop this side of the group (the engines are asked to drop theirs by the coordinator)."""
+        """Drop this side of the group (the engines are asked to drop theirs by the coordinator). A broken group is
+        aborted: pending work fails instead of waiting out the group's timeout."""
         group, self.group = self.group, None
         if group is None:
             return
         if self.broken:
+            log.warning("weight sync: aborting update group %s (a peer is dead or never received)", self.group_name)
             abort_update_group(group)
         else:
             try:

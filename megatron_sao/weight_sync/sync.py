@@ -196,6 +196,11 @@ class WeightSync:
         if sender is not None and sender.order is not None:
             sender.order.finish(report.error)
             report.order_wait_s = sender.order.waited_s
+        if sender is not None and sender.broken:
+            # a peer is known dead (or never received): abort the group now, before reporting to rank 0 and before
+            # its abandon calls to the engines (minutes at worst), so torch's NCCL watchdog never sees the group's
+            # pending work reach the collective timeout
+            sender.close()
         self.peak_bytes = max(self.peak_bytes, self.gather.meter.peak)
         report.peak_bytes, report.seconds = self.gather.meter.peak, time.monotonic() - t0
         if sender is not None:

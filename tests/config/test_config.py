@@ -131,6 +131,11 @@ def test_sao_without_critic_updates_is_refused():
     assert "algo.value.updates_per_policy_step=0" in _error("--algo.value.updates_per_policy_step", "0")
 
 
+def test_an_update_group_timeout_inside_the_bucket_timeout_is_refused():
+    message = _error("--weight_sync.bucket_timeout_s", "300", "--weight_sync.group_timeout_s", "300")
+    assert "weight_sync.group_timeout_s=300" in message and "weight_sync.bucket_timeout_s" in message
+
+
 def test_malformed_overrides_and_files(tmp_path):
     with pytest.raises(ConfigError, match="has no value"):
         parse_overrides(["--algo.dis.eps_low"])

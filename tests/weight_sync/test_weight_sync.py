@@ -298,14 +298,24 @@ def test_an_engine_killed_mid_push_fails_the_push_and_the_next_goes_to_the_other
     assert out["first"]["sync/failed"] == 1, out["first"]
     assert out["second"]["sync/failed"] == 0 and out["second"]["sync/engines"] == 1
     assert out["version"] == 2
+    # the source aborted its broken group before reporting, so before rank 0 asked any engine to drop it
+    assert out["events"][:2] == ["abort", "abandon"], out["events"]
+    # the group's collective timeout (NCCL's watchdog) is weight_sync.group_timeout_s, beyond the bucket timeout
+    assert out["group_timeout_s"] == 900.0
 
 
 def _kill_mid_push(hf_dir: str, urls: list[str], victim: int, port: int) -> dict[str, Any]:
+    from megatron_sao.weight_sync import engines as engines_mod
     from megatron_sao.weight_sync import sender as sender_mod
 
-    cfg, learner = _learner(hf_dir, {}, port, bucket_mb=0.02, bucket_timeout_s=60.0)
+    cfg, learner = _learner(hf_dir, {}, port, bucket_mb=0.02, bucket_timeout_s=60.0, group_timeout_s=900.0)
     sync = _sync(learner, cfg, urls)
     real_start = sender_mod.StageSender.start
+    events: list[str] = []
+    real_abort, real_abandon = sender_mod.abort_update_group, engines_mod.EngineSet.abandon
+    sender_mod.abort_update_group = lambda group: (events.append("abort"), real_abort(group))[1]  # type: ignore
+    engines_mod.EngineSet.abandon = lambda self, *a, **k: (events.append("abandon"),  # type: ignore[method-assign]
+                                                            real_abandon(self, *a, **k))[1]  # fmt: skip
 
     def start(self: Any, bucket: Any, buffer: torch.Tensor) -> Any:
         if bucket.index == 2:
@@ -317,6 +327,8 @@ def _kill_mid_push(hf_dir: str, urls: list[str], victim: int, port: int) -> dict
     first = sync.push(1)
     sender_mod.StageSender.start = real_start  # type: ignore[method-assign]
     second = sync.push(2)
+    assert sync.sender is not None
+    group_timeout = sync.sender.group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
     version = SGLangClient(urls[0]).weight_version()
     sync.close()
-    return {"first": first, "second": second, "version": version}
+    return {"first": first, "second": second, "version": version, "events": events, "group_timeout_s": group_timeout}
