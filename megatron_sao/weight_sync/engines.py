@@ -63,6 +63,7 @@ class StageReport:
     peak_bytes: int = 0
     checksums: dict[str, str] = field(default_factory=dict)  # HF name -> SGLang checksum of what was sent
     samples: dict[str, list] = field(default_factory=dict)  # HF name -> its first rows as sent (floats)
+    sample_checksums: dict[str, str] = field(default_factory=dict)  # the same tensors' checksums as sent
 
 
 class EngineSet:
@@ -78,7 +79,7 @@ class EngineSet:
         self.attempt = 0
         self.quarantined: set[str] = set()  # paused because they hold a partial push
         self.held: dict[str, int] = {}  # the version each engine got from the last push that landed on it
-        self._unverifiable: set[str] = set()
+        self._unverifiable: set[tuple[str, str]] = set()  # (url, tensor) shown neither way
 
     # ---- membership ---------------------------------------------------------------------------------------------
     def healthy(self) -> list[str]:
@@ -243,7 +244,9 @@ class EngineSet:
         if mode == "none":
             return {}
         sent = {k: v for r in reports for k, v in r.checksums.items()}
-        samples = {k: v for r in reports for k, v in r.samples.items()}
+        samples = [
+            (r.stage, name, rows, r.sample_checksums.get(name)) for r in reports for name, rows in r.samples.items()
+        ]
         todo = [m for m in spec.members if m.url not in skip]
         calls: dict[str, Callable[[], Any]] = {}
         for m in todo:
@@ -251,21 +254,43 @@ class EngineSet:
             if m.protocol.embedded and m.protocol.weights_checker and mode in ("auto", "checksum") and sent:
                 calls[m.url] = lambda c=c: _compare_checksums(c, sent, ["lm_head.weight"] if tied else [])
             else:
-                calls[m.url] = lambda c=c, m=m: self._compare_samples(c, m.url, samples)
+                calls[m.url] = lambda c=c, m=m: self._compare_samples(c, m, samples)
         results = in_threads(calls, 600.0)
         return {u: (repr(v) if isinstance(v, BaseException) else v) for u, v in results.items() if v}
 
-    def _compare_samples(self, client: SGLangClient, url: str, samples: dict[str, list]) -> str | None:
-        for name, rows in samples.items():
+    def _compare_samples(self, client: SGLangClient, member: Member,
+                         samples: list[tuple[int, str, list, str | None]]) -> str | None:  # fmt: skip
+        """Check every stage's samples on one engine: by checksum on each of its ranks where /weights_checker
+        shows the tensor (SGLang >= 0.5.6), else by its first rows (/get_weights_by_name, which SGLang serves only
+        for some model classes). A sample the engine can show neither way is logged once as unverified."""
+        url = member.url
+        held: list[dict[str, str]] = []
+        if member.protocol.weights_checker:
+            try:
+                held = [r.get("checksums", {}) for r in client.weights_checksum().get("ranks", [])]
+            except (EngineError, OSError, AttributeError) as e:
+                log.warning("weight sync: %s /weights_checker failed (%s); checking rows instead", url, e)
+        for stage, name, rows, checksum in samples:
+            ranks = [i for i, h in enumerate(held) if name in h]
+            if ranks and checksum is not None:
+                wrong = [i for i in ranks if held[i][name] != checksum]
+                if wrong:
+                    return f"stage {stage}: {name} differs from what was sent on engine rank(s) {wrong}"
+                continue
             try:
                 got = client.get_weights_by_name(name, truncate_size=len(rows))
-            except EngineError as e:  # SGLang serves this only for some model classes
-                if url not in self._unverifiable:
-                    log.warning("weight sync: %s cannot show %s (%s); its pushes are not verified", url, name, e)
-                    self._unverifiable.add(url)
-                return None
+            except EngineError as e:
+                got, why = None, str(e)
+            else:
+                why = "it answered null"
+            if got is None:
+                if (url, name) not in self._unverifiable:
+                    log.warning("weight sync: %s shows stage %d's %s neither by checksum nor by rows (%s); that "
+                                "stage's part of its pushes is not verified", url, stage, name, why)  # fmt: skip
+                    self._unverifiable.add((url, name))
+                continue
             if not torch.equal(torch.tensor(got, dtype=torch.float32), torch.tensor(rows, dtype=torch.float32)):
-                return f"{name}: the engine's first rows differ from what was sent"
+                return f"stage {stage}: {name}: the engine's first rows differ from what was sent"
         return None
 
     @staticmethod

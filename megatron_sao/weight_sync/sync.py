@@ -44,6 +44,15 @@ SAMPLE_ROWS = 8
 """Rows of each weight_sync.verify_tensors tensor kept to compare with what the engines show."""
 
 
+def stage_samples(stage_names: list[str], configured: list[str]) -> list[str]:
+    """The tensors of one stage checked on engines that cannot show every checksum (SGLang): the configured
+    `weight_sync.verify_tensors` this stage sends, and the stage's first norm weight (1-D, kept unfused and unsharded
+    by SGLang under its HF name), so every stage's part of a push is checked before the version is live."""
+    mine = [n for n in configured if n in stage_names]
+    norm = next((n for n in stage_names if n.endswith("norm.weight") and n not in mine), None)
+    return mine + ([norm] if norm is not None else [])
+
+
 def resolve_backend(backend: str) -> str:
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
@@ -174,7 +183,9 @@ class WeightSync:
         t0 = time.monotonic()
         self.gather.meter = MemoryMeter()
         checksums = self.cfg.verify in ("auto", "checksum") and any(m.protocol.embedded for m in spec.members)
-        samples = set(self.cfg.verify_tensors) if self.cfg.verify != "none" else set()
+        samples = (
+            set(stage_samples(self.stage.hf_names, self.cfg.verify_tensors)) if self.cfg.verify != "none" else set()
+        )
 
         def on_packed(bucket: Bucket, buffer: torch.Tensor) -> None:
             for name, view in hf_views(bucket, buffer):
@@ -182,6 +193,7 @@ class WeightSync:
                     report.checksums[name] = flat_bucket.tensor_checksum(view)
                 if name in samples:
                     report.samples[name] = view[:SAMPLE_ROWS].float().cpu().tolist()
+                    report.sample_checksums[name] = flat_bucket.tensor_checksum(view)
 
         sender = self.sender
         if sender is not None:

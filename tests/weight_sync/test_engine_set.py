@@ -89,3 +89,66 @@ def test_pause_mode_none_is_refused_for_sglang_pushes_of_several_updates() -> No
     for client in embedded.clients.values():
         client.engine = EMBEDDED_ENGINE  # stages the whole push and switches at its end
     assert embedded._describe(URLS[0])[0].staged
+
+
+class CheckingEngine(FakeEngine):
+    """An SGLang engine at TP=2 whose /weights_checker shows per-rank checksums of its internal parameters (the norms
+    under their HF names), and whose /get_weights_by_name serves `rows`."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.ranks: list[dict[str, str]] = [{}, {}]
+        self.rows: dict[str, list] = {}
+
+    def weights_checksum(self, skip_tensor_list: list[str] | None = None) -> dict[str, Any]:
+        return {"success": True, "ranks": [{"checksums": dict(r)} for r in self.ranks]}
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
+        return self.rows.get(name)  # SGLang answers null for a model class that cannot show it
+
+
+def _reports() -> list[Any]:
+    from megatron_sao.weight_sync.engines import StageReport
+
+    first = StageReport(0, samples={"model.layers.0.input_layernorm.weight": [1.0, 2.0]},
+                        sample_checksums={"model.layers.0.input_layernorm.weight": "aa"})  # fmt: skip
+    last = StageReport(
+        1,
+        samples={"model.norm.weight": [3.0], "model.layers.2.input_layernorm.weight": [4.0]},
+        sample_checksums={"model.norm.weight": "cc", "model.layers.2.input_layernorm.weight": "dd"},
+    )
+    return [first, last]
+
+
+def test_every_stage_is_verified_on_every_engine_rank_before_a_version_is_live() -> None:
+    engines = _engines(verify="auto")
+    engines.clients = {u: CheckingEngine(u) for u in URLS}
+    spec = _spec(ServerProtocol("0.5.23"))
+    good = {"model.layers.0.input_layernorm.weight": "aa", "model.norm.weight": "cc",
+            "model.layers.2.input_layernorm.weight": "dd"}  # fmt: skip
+    for client in engines.clients.values():
+        client.ranks = [dict(good), dict(good)]
+    assert engines._verify(spec, _reports(), tied=False, skip=set()) == {}
+    # stage 1's layer-2 norm did not land on TP rank 1 of the second engine: that engine is not marked live
+    engines.clients[URLS[1]].ranks[1]["model.layers.2.input_layernorm.weight"] = "stale"
+    bad = engines._verify(spec, _reports(), tied=False, skip=set())
+    assert list(bad) == [URLS[1]] and "stage 1" in bad[URLS[1]] and "rank(s) [1]" in bad[URLS[1]]
+    # a release without /weights_checker: the first rows are compared; a stage-0 row that differs is caught
+    old = _spec(ServerProtocol("0.5.5"))
+    for client in engines.clients.values():
+        client.rows = {"model.layers.0.input_layernorm.weight": [1.0, 2.0], "model.norm.weight": [3.0],
+                       "model.layers.2.input_layernorm.weight": [4.0]}  # fmt: skip
+    assert engines._verify(old, _reports(), tied=False, skip=set()) == {}
+    engines.clients[URLS[0]].rows["model.layers.0.input_layernorm.weight"] = [1.0, 2.5]
+    bad = engines._verify(old, _reports(), tied=False, skip=set())
+    assert list(bad) == [URLS[0]] and "stage 0" in bad[URLS[0]]
+
+
+def test_each_stage_samples_its_first_norm_beside_the_configured_tensors() -> None:
+    from megatron_sao.weight_sync.sync import stage_samples
+
+    first = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+             "model.layers.0.input_layernorm.weight", "model.layers.1.input_layernorm.weight"]  # fmt: skip
+    last = ["model.layers.2.input_layernorm.weight", "model.norm.weight", "lm_head.weight"]
+    assert stage_samples(first, ["model.norm.weight"]) == ["model.layers.0.input_layernorm.weight"]
+    assert stage_samples(last, ["model.norm.weight"]) == ["model.norm.weight", "model.layers.2.input_layernorm.weight"]
