@@ -73,6 +73,11 @@ class StagePlan:
         return sum(r.static for r in self.roles) + max(self.activations, self.sync_staging) + self.reserve
 
 
+CONTROL_CALLS_PER_ENGINE = 6
+"""Per push and engine, beside one update request per bucket: pause, begin, the end-of-push marker, end, verify,
+continue (weight_sync/engines.py)."""
+
+
 @dataclass
 class SyncPlan:
     bytes_per_engine_rank: float
@@ -80,6 +85,17 @@ class SyncPlan:
     sources: int
     seconds: float
     floor_seconds: float
+    engines: int = 1
+
+    @property
+    def update_requests(self) -> int:
+        """/update_weights_from_distributed calls per push: one per bucket to every engine."""
+        return self.buckets * self.engines
+
+    @property
+    def control_round_trips(self) -> int:
+        """Every HTTP call a push makes: the update requests and each engine's control calls."""
+        return self.update_requests + CONTROL_CALLS_PER_ENGINE * self.engines
 
 
 @dataclass
@@ -383,10 +399,13 @@ def _plan_sync(cfg: SAOConfig, hw: Hardware, plan: Plan) -> None:
     bandwidth = hw.ib_gbps / 8 * 1e9 * LINK_EFFICIENCY
     receiver = total / bandwidth
     source = total / pp / bandwidth
-    buckets = math.ceil(total / bucket)
+    # buckets fill to bucket_bytes within each stage's dense tensors and within its experts (weight_sync/plan.py)
+    experts = plan.counts.routed * 2
+    buckets = pp * (math.ceil((total - experts) / pp / bucket) + math.ceil(experts / pp / bucket))
     floor = max(receiver, source)
     plan.sync = SyncPlan(bytes_per_engine_rank=total, buckets=buckets, sources=pp,
-                         seconds=floor + buckets / pp * BUCKET_OVERHEAD_S, floor_seconds=floor)  # fmt: skip
+                         seconds=floor + buckets / pp * BUCKET_OVERHEAD_S, floor_seconds=floor,
+                         engines=cfg.rollout.num_engines)  # fmt: skip
 
 
 def render(plan: Plan, cfg: SAOConfig, hw: Hardware, title: str) -> str:
@@ -439,7 +458,8 @@ def render(plan: Plan, cfg: SAOConfig, hw: Hardware, title: str) -> str:
         console.print(
             f"weight push: {s.bytes_per_engine_rank / GB:.1f} GB to every engine rank (full bf16 tensors), "
             f"{s.sources} source(s), {s.buckets} buckets of {cfg.weight_sync.bucket_mb:g} MB: {s.seconds:.1f} s "
-            f"(floor {s.floor_seconds:.1f} s at {hw.ib_gbps:g} Gb/s x {LINK_EFFICIENCY})"
+            f"(floor {s.floor_seconds:.1f} s at {hw.ib_gbps:g} Gb/s x {LINK_EFFICIENCY}); {s.update_requests:,} update "
+            f"requests ({s.buckets} buckets x {s.engines} engines), {s.control_round_trips:,} HTTP round trips in all"
         )
     for n in plan.notes:
         console.print(f"note: {n}")

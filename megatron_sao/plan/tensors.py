@@ -187,6 +187,8 @@ class Counts:
     active: int
     """Per token: every dense tensor, `topk` of the routed experts."""
     embeddings: int
+    routed: int = 0
+    """The routed experts' parameters (all of them)."""
 
     @property
     def active_without_embeddings(self) -> int:
@@ -205,7 +207,7 @@ def hf_counts(arch: Architecture) -> Counts:
     total += indexer_params(arch) * arch.num_layers
     embeddings = arch.vocab * h * (1 if arch.tied else 2)
     active = total - routed + (routed * arch.topk // arch.experts if arch.experts else 0)
-    return Counts(total=total, active=active, embeddings=embeddings)
+    return Counts(total=total, active=active, embeddings=embeddings, routed=routed)
 
 
 def indexer_params(arch: Architecture) -> int:

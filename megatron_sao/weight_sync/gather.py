@@ -2,9 +2,10 @@
 stage's own gather groups, and assemble them into the HF tensors the engines receive, packed in SGLang's flattened
 layout (owned by weight_sync/; driven by sync.py on every learner rank).
 
-Per bucket, every member of its gather group copies its pieces into one uint8 contribution (padded to the largest
-member's) and takes part in one `dist.gather` to the source, on the device (NCCL) or the CPU (gloo); nothing is
-pickled, no object collective touches the data. The source reassembles each canonical tensor from its pieces (a view
+Per bucket, every member of its gather group other than the source copies its pieces into one uint8 contribution
+of exactly their bytes and sends it to the source point to point (one batch of sends and receives per bucket), on
+the device (NCCL) or the CPU (gloo); the source's own pieces are read where they live. Nothing is pickled, no object
+collective touches the data. The source reassembles each canonical tensor from its pieces (a view
 when one piece is the whole tensor), splits it into HF tensors with the one HF<->megatron mapping (models/mapping.py),
 casts each to its HF dtype and writes it straight into its slot of the send buffer.
 
@@ -77,7 +78,7 @@ class Buffers:
     """The few buffers a rank's part of a push works in, sized once from the plan and reused bucket after bucket
     (and, in host memory, push after push: fresh host memory pays its page faults on first touch, several times
     the cost of the copy itself). On the source: the send buffer (the bucket travelling to the engines), the receive
-    area (the bucket being gathered: one padded contribution per member, the source's own written in place) and an
+    area (the bucket being gathered: every other member's contribution, exactly) and an
     assembly scratch (a tensor put together from several pieces); elsewhere a contribution buffer."""
 
     def __init__(self, stage: StagePlan, rank: int, device: torch.device, send_device: torch.device) -> None:
@@ -91,7 +92,7 @@ class Buffers:
             "send": send,
             "send2": send if self.double else 0,
             "receive": max((b.received_bytes for b in mine if len(b.members) > 1), default=0) if source else 0,
-            "contribution": 0 if source else max((b.gather_bytes for b in mine), default=0),
+            "contribution": 0 if source else max((b.contribution_bytes(rank) for b in mine), default=0),
             "assembly": max((_assembly_bytes(b) for b in mine), default=0) if source else 0,
         }
         self.device, self.send_device = device, send_device
@@ -203,24 +204,32 @@ class StageGather:
 
     # ---- one bucket ---------------------------------------------------------------------------------------------
     def _gather(self, bucket: Bucket) -> Located:
-        """Where every piece of the bucket now is, on the source: {piece key: (piece, view)} -- in the receive area,
-        or the live local tensor when the source alone holds the bucket (nothing is copied then). {} elsewhere."""
+        """Where every piece of the bucket now is, on the source: {piece key: (piece, view)} -- the other members'
+        in the receive area, the source's own where they live (nothing of its own is copied). {} elsewhere. Each
+        member sends exactly its pieces, point to point (one batch of sends and receives per bucket)."""
+        own = {p.key: (p, self.local[p.key]) for p in bucket.contributions[self.rank]} if self.is_source else {}
         if len(bucket.members) == 1:
-            return {p.key: (p, self.local[p.key]) for p in bucket.contributions[self.rank]}
-        received: list[torch.Tensor] | None = None
-        if self.is_source:  # one padded contribution per member, back to back; the source's own written in place
-            area = self.buffers.get("receive", bucket.received_bytes, self.meter)
-            received = list(area.view(len(bucket.members), bucket.gather_bytes).unbind(0))
-            mine = received[bucket.members.index(self.rank)]
-        else:
-            mine = self.buffers.get("contribution", bucket.gather_bytes, self.meter)
-        for piece, slot in zip(bucket.contributions[self.rank], bucket.contribution_slots[self.rank]):
-            flat_bucket.view(mine, slot).copy_(self.local[piece.key])
-        dist.gather(mine, received, dst=self.stage.source, group=self.groups[bucket.members])
-        if received is None:
+            return own
+        group = self.groups[bucket.members]
+        if not self.is_source:
+            mine = self.buffers.get("contribution", bucket.contribution_bytes(self.rank), self.meter)
+            for piece, slot in zip(bucket.contributions[self.rank], bucket.contribution_slots[self.rank]):
+                flat_bucket.view(mine, slot).copy_(self.local[piece.key])
+            if mine.numel():
+                for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, self.stage.source, group)]):
+                    work.wait()
             return {}
-        where = {}
-        for member, contrib in zip(bucket.members, received):
+        area = self.buffers.get("receive", bucket.received_bytes, self.meter)
+        ops, views = [], {}
+        for member, at in bucket.receive_offsets.items():
+            n = bucket.contribution_bytes(member)
+            views[member] = area[at : at + n]
+            if n:
+                ops.append(dist.P2POp(dist.irecv, views[member], member, group))
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+        where = dict(own)
+        for member, contrib in views.items():
             for piece, slot in zip(bucket.contributions[member], bucket.contribution_slots[member]):
                 where[piece.key] = (piece, flat_bucket.view(contrib, slot))
         return where

@@ -8,9 +8,10 @@ For each pipeline stage:
     (replica_id all 0) of every shard, on whichever ranks of the stage hold one (TP slices, EP experts, ETP slices);
   * **gather groups**: the distinct sets {holders of a tensor} + {source}, e.g. the DP-0 TP ranks for dense tensors
     and the EDP-0 EP x ETP ranks for experts. A gather never involves a rank outside the stage;
-  * **buckets**: runs of tensors of one gather group such that (members x the largest member contribution) -- what
-    the source receives -- and the bucket's HF bytes -- what it sends -- each stay within `bucket_bytes`; a tensor
-    larger than that travels alone. Dense tensors come first, then experts (slime's order), each in layer order.
+  * **buckets**: runs of tensors of one gather group such that what the source receives (every other member's
+    pieces, exactly: no padding, no row for the source's own) and the bucket's HF bytes -- what it sends -- each stay
+    within `bucket_bytes`; a tensor larger than that travels alone. Dense tensors come first, then experts (slime's
+    order), each in layer order.
 A bucket also fixes the byte layout of every member's contribution (uint8, aligned) and of the HF tensors the source
 sends (SGLang's flattened-bucket layout, distributed/flat_bucket.py), so no metadata travels with the data.
 """
@@ -90,19 +91,31 @@ class Bucket:
     members: tuple[int, ...]  # the gather group (global ranks, sorted; the source among them)
     contributions: dict[int, list[Piece]]  # each member's pieces, in its contribution's byte order
     contribution_slots: dict[int, list[flat_bucket.Slot]]
-    gather_bytes: int  # every member's contribution, padded to the largest, rounded up to the widest dtype
+    receive_offsets: dict[int, int]  # where each member other than the source lands in the source's receive area
     hf: list[HFEntry]  # in send order (aligned)
     slots: list[flat_bucket.Slot]  # their layout in the send buffer
+    source: int = -1  # the stage source (the gather's destination)
     hf_of: dict[str, list[str]] = field(default_factory=dict)  # canonical name -> its HF names, in mapping order
 
     @property
     def send_bytes(self) -> int:
         return flat_bucket.nbytes(self.slots)
 
+    def contribution_bytes(self, member: int) -> int:
+        """What `member` sends the source: its pieces back to back, exactly (no padding to another member's)."""
+        return flat_bucket.nbytes(self.contribution_slots[member])
+
+    @property
+    def gather_bytes(self) -> int:
+        """The largest contribution a member other than the source sends."""
+        return max((self.contribution_bytes(m) for m in self.members if m != self.source), default=0)
+
     @property
     def received_bytes(self) -> int:
-        """What the source holds once the gather is in: one padded contribution per member."""
-        return self.gather_bytes * len(self.members) if len(self.members) > 1 else self.gather_bytes
+        """What the source receives: every other member's contribution, each at an offset aligned to the widest
+        dtype; the source's own pieces are read where they live."""
+        others = [m for m in self.members if m != self.source]
+        return max((self.receive_offsets[m] + self.contribution_bytes(m) for m in others), default=0)
 
 
 @dataclass
@@ -229,21 +242,18 @@ def _buckets(
     buckets: list[Bucket] = []
     for members, group_names in classes.items():
         current: list[str] = []
-        contrib = dict.fromkeys(members, 0)
-        hf_bytes = 0
+        received, hf_bytes = 0, 0  # what the source would receive from the others, and send, for `current`
         for n in group_names:
-            add = {m: sum(p.nbytes for p in pieces[n] if p.rank == m) for m in members}
+            add = sum(p.nbytes for p in pieces[n] if p.rank != source)
             hf = _hf_entries(n, pieces[n][0].full_shape, mapping, hf_dtype)
-            grown = max(contrib[m] + add[m] for m in members) * len(members)
-            if current and (grown > budget or hf_bytes + sum(e.nbytes for e in hf) > budget):
-                buckets.append(_bucket(stage, len(buckets), current, members, pieces, mapping, hf_dtype))
-                current, contrib, hf_bytes = [], dict.fromkeys(members, 0), 0
+            if current and (received + add > budget or hf_bytes + sum(e.nbytes for e in hf) > budget):
+                buckets.append(_bucket(stage, len(buckets), current, members, source, pieces, mapping, hf_dtype))
+                current, received, hf_bytes = [], 0, 0
             current.append(n)
-            for m in members:
-                contrib[m] += add[m]
+            received += add
             hf_bytes += sum(e.nbytes for e in hf)
         if current:
-            buckets.append(_bucket(stage, len(buckets), current, members, pieces, mapping, hf_dtype))
+            buckets.append(_bucket(stage, len(buckets), current, members, source, pieces, mapping, hf_dtype))
     return buckets
 
 
@@ -253,11 +263,16 @@ def _hf_entries(
     return [HFEntry(h, hf_dtype(h), tuple(shape)) for h, shape in mapping.hf_shapes(name, full_shape).items()]
 
 
+RECEIVE_ALIGN = 16
+"""Each contribution starts at a multiple of this in the source's receive area (any dtype's alignment)."""
+
+
 def _bucket(
     stage: int,
     index: int,
     names: list[str],
     members: tuple[int, ...],
+    source: int,
     pieces: dict[str, list[Piece]],
     mapping: WeightMapping,
     hf_dtype: Callable[[str], torch.dtype],
@@ -270,16 +285,18 @@ def _bucket(
         contributions[m] = mine
         slots[m] = _layout([f"{p.name}@{p.offset}" for p in mine], [flat_bucket.dtype_from_name(p.dtype) for p in mine],
                            [p.shape for p in mine])  # fmt: skip
-    # the contributions lie back to back in the source's receive area, so each must start where the widest dtype
-    # of any of them may start: round the padded size up to it (a float32 router bias or expert bias after a bf16
-    # piece of odd length on an earlier member would otherwise be viewed at an unaligned address)
-    widest = max((sl.dtype.itemsize for ss in slots.values() for sl in ss), default=1)
-    gather = -(-max((flat_bucket.nbytes(s) for s in slots.values()), default=0) // widest) * widest
+    # the other members' contributions lie back to back in the source's receive area, each at an aligned offset (a
+    # float32 router or expert bias after an odd-length bf16 contribution would otherwise sit at an unaligned address)
+    offsets, at = {}, 0
+    for m in members:
+        if m != source:
+            offsets[m] = at
+            at += -(-flat_bucket.nbytes(slots[m]) // RECEIVE_ALIGN) * RECEIVE_ALIGN
     hf_of = {n: [e.name for e in _hf_entries(n, pieces[n][0].full_shape, mapping, hf_dtype)] for n in names}
     entries = [e for n in names for e in _hf_entries(n, pieces[n][0].full_shape, mapping, hf_dtype)]
     entries = flat_bucket.aligned_order(entries, lambda e: e.dtype)
     send = _layout([e.name for e in entries], [e.dtype for e in entries], [e.shape for e in entries])
-    return Bucket(stage, index, names, members, contributions, slots, gather, entries, send, hf_of)
+    return Bucket(stage, index, names, members, contributions, slots, offsets, entries, send, source, hf_of)
 
 
 def _layout(names: list[str], dtypes: list[torch.dtype], shapes: list[tuple[int, ...]]) -> list[flat_bucket.Slot]:
