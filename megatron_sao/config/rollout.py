@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from megatron_sao.config.base import Section
 
@@ -49,7 +49,9 @@ class SGLangServerConfig(Section):
         return self.tp * self.dp
 
     extra_args: list[str] = Field(default_factory=list)
-    """Appended verbatim to the launch command."""
+    """Appended verbatim to the launch command. `--quantization fp8` only with rollout.model_path set to a block-FP8
+    checkpoint (SGLang then serves that checkpoint's format and pushes are quantized into it); on a bf16 checkpoint
+    SGLang would quantize as it loads, and no release re-quantizes what a push brings."""
 
 
 class EmbeddedEngineConfig(Section):
@@ -91,6 +93,11 @@ class RolloutConfig(Section):
     engine_urls: list[str] = Field(default_factory=list)
     """Already running engines (http://host:port); when set, nothing is launched."""
 
+    model_path: str | None = None
+    """The checkpoint the engines serve (None: model.hf_path). A block-FP8 checkpoint (config.json
+    quantization_config fp8 with weight_block_size, `*_scale_inv` tensors) halves the engines' weight memory: the
+    learner reads its format and quantizes every push into it (docs/weight_sync.md, "FP8 engines")."""
+
     sglang: SGLangServerConfig = Field(default_factory=SGLangServerConfig)
     embedded: EmbeddedEngineConfig = Field(default_factory=EmbeddedEngineConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
@@ -128,3 +135,16 @@ class RolloutConfig(Section):
     cursor_state: str | None = None
     """File keeping the prompt cursor across restarts; None: <launch.run_dir>/rollout_cursor.json (worker rollout-0;
     rollout_cursor_<worker_id>.json for the others)."""
+
+    @model_validator(mode="after")
+    def _check_engine_weights(self) -> RolloutConfig:
+        online = [a for a in self.sglang.extra_args if a == "--quantization" or a.startswith("--quantization=")]
+        if online and self.engine == "sglang" and self.model_path is None:
+            raise ValueError(
+                "rollout.sglang.extra_args has --quantization but rollout.model_path is not set: SGLang would quantize "
+                "the bf16 checkpoint as it loads, and no SGLang release re-quantizes the weights a push brings (they "
+                "would land unscaled in its fp8 parameters, and the norm-row check would not notice). Set "
+                "rollout.model_path to a block-FP8 checkpoint of the model (its -FP8 release, or `python -m "
+                "megatron_sao.models.fp8 SRC DST`): the learner then quantizes every push into its format"
+            )
+        return self

@@ -29,6 +29,11 @@ class SAOConfig(Section):
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
 
+    @property
+    def engine_model_path(self) -> str | None:
+        """The checkpoint the engines serve: rollout.model_path, else model.hf_path."""
+        return self.rollout.model_path or self.model.hf_path
+
     @model_validator(mode="after")
     def _check_across_sections(self) -> SAOConfig:
         if "spool_dir" not in self.bus.model_fields_set:  # unset (an explicit null stays: no spool)

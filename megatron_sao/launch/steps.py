@@ -46,7 +46,7 @@ def build_steps(
     """Every step of the run on `nodes`: engines first, then the learner (and the value job), then the rollout
     workers."""
     la, r = cfg.launch, cfg.rollout
-    model = cfg.model.hf_path or ""
+    model = cfg.engine_model_path or ""
     urls = ",".join(nodes.engine_urls)
     steps = [
         Step(

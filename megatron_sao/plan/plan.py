@@ -391,9 +391,13 @@ def _plan_engines(cfg: SAOConfig, arch: Architecture, hw: Hardware, plan: Plan) 
 
 
 def _plan_sync(cfg: SAOConfig, hw: Hardware, plan: Plan) -> None:
-    """SGLang's update_weights_from_distributed hands every engine rank full bf16 tensors: each receives the whole
-    model, from one source per pipeline stage (concurrent); docs/weight_sync.md."""
-    total = plan.counts.total * 2
+    """SGLang's update_weights_from_distributed hands every engine rank full tensors: each receives the whole
+    model, from one source per pipeline stage, in one order; docs/weight_sync.md. Engines serving a block-FP8
+    checkpoint receive its format: one byte per quantized parameter (embeddings, norms and routers stay bf16; the
+    scales add 4 bytes per 128x128 block)."""
+    fp8_engines = _engine_dtype_bytes(cfg.rollout.sglang.extra_args)[0] == 1
+    c = plan.counts
+    total = c.total + c.embeddings + c.total * 4 // (128 * 128) if fp8_engines else c.total * 2
     bucket = cfg.weight_sync.bucket_bytes
     pp = plan.layout.pp if plan.layout else 1
     bandwidth = hw.ib_gbps / 8 * 1e9 * LINK_EFFICIENCY
@@ -456,7 +460,7 @@ def render(plan: Plan, cfg: SAOConfig, hw: Hardware, title: str) -> str:
     if plan.sync:
         s = plan.sync
         console.print(
-            f"weight push: {s.bytes_per_engine_rank / GB:.1f} GB to every engine rank (full bf16 tensors), "
+            f"weight push: {s.bytes_per_engine_rank / GB:.1f} GB to every engine rank (full tensors), "
             f"{s.sources} source(s), {s.buckets} buckets of {cfg.weight_sync.bucket_mb:g} MB: {s.seconds:.1f} s "
             f"(floor {s.floor_seconds:.1f} s at {hw.ib_gbps:g} Gb/s x {LINK_EFFICIENCY}); {s.update_requests:,} update "
             f"requests ({s.buckets} buckets x {s.engines} engines), {s.control_round_trips:,} HTTP round trips in all"

@@ -483,4 +483,27 @@ def _weight_sync(learner: Any, cfg: SAOConfig, engine_urls: list[str]) -> Any:
     assert learner.policy is not None
     dtype_of = hf_dtype_of(learner.hf_source, torch.float32 if learner.spec.dtype == "fp32" else torch.bfloat16)
     return WeightSync(learner.policy.model, learner.spec, dtype_of, cfg.weight_sync, engine_urls,
-                      stage=learner.layout.pp_rank)  # fmt: skip
+                      stage=learner.layout.pp_rank, fp8_format=engine_fp8_format(cfg))  # fmt: skip
+
+
+def engine_fp8_format(cfg: SAOConfig) -> Any:
+    """The block-FP8 format of the checkpoint the engines serve (models/fp8.py), or None; ValueError naming
+    rollout.model_path when it was set but cannot be read here (the learner must see it to quantize into it)."""
+    from megatron_sao.models.fp8 import checkpoint_format
+
+    path = cfg.engine_model_path
+    if path is None or not (Path(path) / "config.json").is_file():
+        if cfg.rollout.model_path is not None:
+            raise ValueError(
+                f"rollout.model_path={cfg.rollout.model_path!r} has no config.json on this learner "
+                "node: the learner reads the engines' checkpoint format to feed it (mount it here)"
+            )
+        return None
+    fmt = checkpoint_format(path)
+    online = any(a.startswith("--quantization") for a in cfg.rollout.sglang.extra_args)
+    if online and cfg.rollout.engine == "sglang" and fmt is None:
+        raise ValueError(f"rollout.sglang.extra_args has --quantization but rollout.model_path={path!r} is not a "
+                         "block-FP8 checkpoint (config.json quantization_config fp8 with weight_block_size): SGLang "
+                         "would quantize it as it loads and pushes would land unscaled; point rollout.model_path at "
+                         "the model's block-FP8 release")  # fmt: skip
+    return fmt

@@ -58,7 +58,7 @@ def run_local(cfg: SAOConfig, config_path: str, overrides: list[str]) -> dict[st
     supervisor: Supervisor | None = None
     value_job: subprocess.Popen[bytes] | None = None
     try:
-        commands = engines.engine_commands(cfg.rollout, cfg.model.hf_path, cfg.launch.gpus_per_node)
+        commands = engines.engine_commands(cfg.rollout, cfg.engine_model_path, cfg.launch.gpus_per_node)
         urls = list(cfg.rollout.engine_urls) or [url for url, _ in commands]
         if commands:
             print(f"[run] starting {len(commands)} {cfg.rollout.engine} engine(s): {', '.join(urls)}", flush=True)

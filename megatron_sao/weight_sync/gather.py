@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_sao.distributed import flat_bucket
+from megatron_sao.models import fp8
+from megatron_sao.models.fp8 import Fp8Format
 from megatron_sao.models.mapping import WeightMapping
 from megatron_sao.models.shards import local_shards
 from megatron_sao.weight_sync.plan import Bucket, Piece, RankInfo, StagePlan
@@ -143,8 +145,10 @@ class StageGather:
         mapping: WeightMapping,
         device: torch.device,
         send_device: torch.device | None = None,
+        fp8_format: Fp8Format | None = None,
     ) -> None:
         self.stage, self.rank, self.groups, self.mapping = stage, rank, groups, mapping
+        self.fp8_format = fp8_format  # the engines serve block-FP8: quantize its weights into their format
         self.local = {p.key: t for p, t in pieces}
         self.device = device
         self.send_device = send_device or device  # pinned host memory when the engines receive over gloo from GPUs
@@ -244,7 +248,12 @@ class StageGather:
         for name in bucket.names:
             full = self._assemble(by_name[name])
             for hf_name, tensor in self.mapping.to_hf(name, full):
-                flat_bucket.view(send, out_slots[hf_name]).copy_(tensor)  # casts to the HF dtype
+                if self.fp8_format is not None and self.fp8_format.quantized(hf_name):
+                    q, scale = fp8.quantize(tensor, self.fp8_format.block)
+                    flat_bucket.view(send, out_slots[hf_name]).copy_(q)
+                    flat_bucket.view(send, out_slots[fp8.scale_name(hf_name)]).copy_(scale)
+                else:
+                    flat_bucket.view(send, out_slots[hf_name]).copy_(tensor)  # casts to the HF dtype
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the send may run on another stream or from the host
         return send

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_sao.distributed import flat_bucket
+from megatron_sao.models.fp8 import FP8_DTYPE, Fp8Format, scale_name
 from megatron_sao.models.mapping import WeightMapping
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -181,8 +182,11 @@ def build_plan(
     mapping: WeightMapping,
     hf_dtype: Callable[[str], torch.dtype],
     bucket_bytes: int,
+    fp8_format: Fp8Format | None = None,
 ) -> TransferPlan:
-    """The plan from every rank's RankInfo (deterministic: every rank computes the same)."""
+    """The plan from every rank's RankInfo (deterministic: every rank computes the same). With `fp8_format` (the
+    engines serve a block-FP8 checkpoint) each of its weights travels as float8_e4m3fn plus its float32
+    `_scale_inv`, quantized by the source (gather.py), as the engines' checkpoint stores them."""
     by_stage: dict[int, list[RankInfo]] = {}
     for info in sorted(infos, key=lambda i: i.rank):
         by_stage.setdefault(info.stage, []).append(info)
@@ -197,7 +201,7 @@ def build_plan(
                 pieces.setdefault(p.name, []).append(p)
         _check_tiling(pieces)
         stages.append(StagePlan(stage, ranks, source, host, _buckets(stage, source, pieces, mapping, hf_dtype,
-                                                                      bucket_bytes)))  # fmt: skip
+                                                                      bucket_bytes, fp8_format)))  # fmt: skip
     _check_disjoint(stages)
     return TransferPlan(stages, bucket_bytes)
 
@@ -231,6 +235,7 @@ def _buckets(
     mapping: WeightMapping,
     hf_dtype: Callable[[str], torch.dtype],
     budget: int,
+    fp8_format: Fp8Format | None = None,
 ) -> list[Bucket]:
     names = sorted(pieces, key=tensor_order)
     unknown = [n for n in names if n not in mapping.rules]
@@ -245,22 +250,37 @@ def _buckets(
         received, hf_bytes = 0, 0  # what the source would receive from the others, and send, for `current`
         for n in group_names:
             add = sum(p.nbytes for p in pieces[n] if p.rank != source)
-            hf = _hf_entries(n, pieces[n][0].full_shape, mapping, hf_dtype)
+            hf = _hf_entries(n, pieces[n][0].full_shape, mapping, hf_dtype, fp8_format)
             if current and (received + add > budget or hf_bytes + sum(e.nbytes for e in hf) > budget):
-                buckets.append(_bucket(stage, len(buckets), current, members, source, pieces, mapping, hf_dtype))
+                buckets.append(
+                    _bucket(stage, len(buckets), current, members, source, pieces, mapping, hf_dtype, fp8_format)
+                )
                 current, received, hf_bytes = [], 0, 0
             current.append(n)
             received += add
             hf_bytes += sum(e.nbytes for e in hf)
         if current:
-            buckets.append(_bucket(stage, len(buckets), current, members, source, pieces, mapping, hf_dtype))
+            buckets.append(
+                _bucket(stage, len(buckets), current, members, source, pieces, mapping, hf_dtype, fp8_format)
+            )
     return buckets
 
 
 def _hf_entries(
-    name: str, full_shape: tuple[int, ...], mapping: WeightMapping, hf_dtype: Callable[[str], torch.dtype]
+    name: str,
+    full_shape: tuple[int, ...],
+    mapping: WeightMapping,
+    hf_dtype: Callable[[str], torch.dtype],
+    fp8_format: Fp8Format | None = None,
 ) -> list[HFEntry]:
-    return [HFEntry(h, hf_dtype(h), tuple(shape)) for h, shape in mapping.hf_shapes(name, full_shape).items()]
+    out = []
+    for h, shape in mapping.hf_shapes(name, full_shape).items():
+        if fp8_format is not None and fp8_format.quantized(h):
+            out.append(HFEntry(h, FP8_DTYPE, tuple(shape)))
+            out.append(HFEntry(scale_name(h), torch.float32, fp8_format.scale_shape(tuple(shape))))
+        else:
+            out.append(HFEntry(h, hf_dtype(h), tuple(shape)))
+    return out
 
 
 RECEIVE_ALIGN = 16
@@ -276,6 +296,7 @@ def _bucket(
     pieces: dict[str, list[Piece]],
     mapping: WeightMapping,
     hf_dtype: Callable[[str], torch.dtype],
+    fp8_format: Fp8Format | None = None,
 ) -> Bucket:
     contributions: dict[int, list[Piece]] = {}
     slots: dict[int, list[flat_bucket.Slot]] = {}
@@ -292,8 +313,9 @@ def _bucket(
         if m != source:
             offsets[m] = at
             at += -(-flat_bucket.nbytes(slots[m]) // RECEIVE_ALIGN) * RECEIVE_ALIGN
-    hf_of = {n: [e.name for e in _hf_entries(n, pieces[n][0].full_shape, mapping, hf_dtype)] for n in names}
-    entries = [e for n in names for e in _hf_entries(n, pieces[n][0].full_shape, mapping, hf_dtype)]
+    hf_of = {n: [e.name for e in _hf_entries(n, pieces[n][0].full_shape, mapping, hf_dtype, fp8_format)]
+             for n in names}  # fmt: skip
+    entries = [e for n in names for e in _hf_entries(n, pieces[n][0].full_shape, mapping, hf_dtype, fp8_format)]
     entries = flat_bucket.aligned_order(entries, lambda e: e.dtype)
     send = _layout([e.name for e in entries], [e.dtype for e in entries], [e.shape for e in entries])
     return Bucket(stage, index, names, members, contributions, slots, offsets, entries, send, source, hf_of)

@@ -32,6 +32,7 @@ from megatron_sao.config.weight_sync import WeightSyncConfig
 from megatron_sao.distributed import flat_bucket
 from megatron_sao.distributed.bootstrap import current_context
 from megatron_sao.models.builder import ModelSpec
+from megatron_sao.models.fp8 import Fp8Format
 from megatron_sao.models.weights import weight_mapping
 from megatron_sao.weight_sync.engines import EngineSet, StageReport
 from megatron_sao.weight_sync.gather import MemoryMeter, StageGather, hf_views, local_pieces, rank_info
@@ -78,12 +79,15 @@ class WeightSync:
         cfg: WeightSyncConfig,
         engine_urls: list[str],
         stage: int | None = None,
+        fp8_format: Fp8Format | None = None,
     ) -> None:
+        """`fp8_format`: the engines serve a block-FP8 checkpoint (models/fp8.py checkpoint_format of what they
+        load): its weights are quantized into that format before they travel."""
         self.cfg, self.spec = cfg, spec
         self.rank = dist.get_rank()
         self.backend = resolve_backend(cfg.backend)
         self.control, self.plan, self.gather = prepare(
-            model, spec, dtype_of, cfg.bucket_bytes, stage, gloo_sends=self.backend != "nccl"
+            model, spec, dtype_of, cfg.bucket_bytes, stage, gloo_sends=self.backend != "nccl", fp8_format=fp8_format
         )
         self.stage = self.gather.stage
         self.sources_group = dist.new_group(self.plan.sources, backend="gloo")
@@ -273,6 +277,7 @@ def prepare(
     bucket_bytes: int,
     stage: int | None,
     gloo_sends: bool,
+    fp8_format: Fp8Format | None = None,
 ) -> tuple[Any, TransferPlan, StageGather]:
     """Collective: (the gloo control group, the plan every rank computed, this rank's StageGather). Every rank tells
     the others its pieces (one object gather), then creates every gather group in the plan's order. `stage`: this
@@ -284,21 +289,27 @@ def prepare(
     infos: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(infos, rank_info(pieces, rank, stage), group=control)
     mapping = weight_mapping(spec)
-    plan = build_plan(infos, mapping, dtype_of, bucket_bytes)
+    plan = build_plan(infos, mapping, dtype_of, bucket_bytes, fp8_format)
     device = pieces[0][1].device if pieces else torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
     groups = {m: dist.new_group(list(m), backend=backend) for m in plan.gather_groups}  # same order on every rank
     send_device = torch.device("cpu") if gloo_sends else device
-    return control, plan, StageGather(plan.stage_of(rank), rank, pieces, groups, mapping, device, send_device)
+    gather = StageGather(plan.stage_of(rank), rank, pieces, groups, mapping, device, send_device, fp8_format)
+    return control, plan, gather
 
 
 def gather_hf_tensors(
-    model: Any, spec: ModelSpec, dtype_of: Callable[[str], torch.dtype], bucket_bytes: int, stage: int | None = None
+    model: Any,
+    spec: ModelSpec,
+    dtype_of: Callable[[str], torch.dtype],
+    bucket_bytes: int,
+    stage: int | None = None,
+    fp8_format: Fp8Format | None = None,
 ) -> tuple[dict[str, torch.Tensor], TransferPlan, int]:
     """Collective, no engines: run every stage's gathers and keep what each source would send. Returns (this rank's
     {HF name: tensor} -- its stage's tensors on a source, {} elsewhere --, the plan, this rank's peak extra bytes).
     For tests, tools and benchmarks: the same plan and gathers as a push."""
-    _, plan, gather = prepare(model, spec, dtype_of, bucket_bytes, stage, gloo_sends=True)
+    _, plan, gather = prepare(model, spec, dtype_of, bucket_bytes, stage, gloo_sends=True, fp8_format=fp8_format)
     out: dict[str, torch.Tensor] = {}
 
     class _Landed:

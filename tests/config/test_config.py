@@ -136,6 +136,14 @@ def test_an_update_group_timeout_inside_the_bucket_timeout_is_refused():
     assert "weight_sync.group_timeout_s=300" in message and "weight_sync.bucket_timeout_s" in message
 
 
+def test_online_fp8_quantization_of_engines_that_take_pushes_is_refused():
+    message = _error("--rollout.engine", "sglang", "--rollout.sglang.extra_args", '["--quantization", "fp8"]')
+    assert "rollout.sglang.extra_args has --quantization but rollout.model_path is not set" in message
+    cfg = load_config(None, ["--rollout.engine", "sglang", "--rollout.sglang.extra_args", '["--quantization", "fp8"]',
+                             "--rollout.model_path", "/ckpt/Model-FP8"])  # fmt: skip
+    assert cfg.engine_model_path == "/ckpt/Model-FP8"
+
+
 def test_malformed_overrides_and_files(tmp_path):
     with pytest.raises(ConfigError, match="has no value"):
         parse_overrides(["--algo.dis.eps_low"])

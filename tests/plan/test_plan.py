@@ -38,8 +38,9 @@ def test_glm_example_fits_on_96_nodes_with_h200_engines(capsys: pytest.CaptureFi
     assert "743.9B parameters" in out and "39.9B without embeddings" in out
     assert "layers per stage [9, 10, 10, 10, 10, 10, 10, 9]" in out  # the automatic uneven split
     assert "engines serve fp8 weights" in out
-    # buckets fill to 1 GB within each stage's dense tensors and experts: ~1.49 TB / 1 GB, one request per engine each
-    assert "1392 buckets of 1024 MB" in out and "44,544 update requests (1392 buckets x 32 engines)" in out
+    # buckets fill to 1 GB within each stage's dense tensors and experts, one update request per engine each
+    assert "746.0 GB to every engine rank" in out  # the engines' block-FP8 format: a byte per parameter + scales
+    assert "704 buckets of 1024 MB" in out and "22,528 update requests (704 buckets x 32 engines)" in out
 
 
 @pytest.mark.parametrize(

@@ -332,3 +332,59 @@ def _kill_mid_push(hf_dir: str, urls: list[str], victim: int, port: int) -> dict
     version = SGLangClient(urls[0]).weight_version()
     sync.close()
     return {"first": first, "second": second, "version": version, "events": events, "group_timeout_s": group_timeout}
+
+
+# ---- an FP8 engine ------------------------------------------------------------------------------------------------
+FP8_LOGP_TOL = 0.1  # nats per token: block-FP8 (e4m3, 16x16 blocks) engine vs fp32 engine on the same pushed weights
+
+
+def _step_and_push(hf_dir: str, url: str, fp8_dir: str | None, port: int) -> dict[str, Any]:
+    """One deterministic learner step (the same weights in every process), pushed to one engine: quantized into
+    the FP8 checkpoint's format when `fp8_dir` is given, else as fp32; then the engine's greedy generation."""
+    from megatron_sao.learner.synthetic import make_batch
+    from megatron_sao.models.fp8 import checkpoint_format
+    from megatron_sao.weight_sync import WeightSync, hf_dtype_of
+
+    cfg, learner = _learner(hf_dir, {}, port, bucket_mb=0.05)
+    learner.train_step(on_policy(make_batch(6, seed=3), hf_dir))
+    fmt = checkpoint_format(fp8_dir) if fp8_dir else None
+    sync = WeightSync(learner.policy.model, learner.spec, hf_dtype_of(learner.hf_source, torch.float32),
+                      cfg.weight_sync, [url], fp8_format=fmt)  # fmt: skip
+    out: dict[str, Any] = {"push": sync.push(learner.version)}
+    engine = SGLangClient(url)
+    out["gen"] = engine.generate(PROMPT, {"max_new_tokens": 12, **GREEDY})
+    out["version"] = engine.weight_version()
+    out["fp8_tensors"] = sum(1 for s in sync.plan.stages for b in s.buckets for e in b.hf
+                             if e.dtype == torch.float8_e4m3fn)  # fmt: skip
+    out["quantized_names"] = len(fmt.names) if fmt else 0
+    sync.close()
+    return out
+
+
+@pytest.mark.multiproc
+def test_an_fp8_engine_takes_pushes_quantized_into_its_checkpoint_format(
+    start_engine: Any, tiny_hf_dir: Any, tmp_path: Any
+) -> None:
+    """The learner's fp32 weights quantized by the stage source into the engine's block-FP8 format (weights +
+    scales, verified by checksum), the FP8 engine's greedy log-probs within FP8_LOGP_TOL of an fp32 engine fed the
+    same step; a plain (unquantized) push to the FP8 engine would be refused tensor by tensor (dtype)."""
+    from megatron_sao.models.fp8 import write_checkpoint
+
+    hf_dir = tiny_hf_dir("qwen3_moe")
+    fp8_dir = tmp_path / "fp8"
+    write_checkpoint(hf_dir, fp8_dir, block=(16, 16))
+    engines = [start_engine(hf_dir), start_engine(fp8_dir)]
+    for e in engines:
+        e.wait_healthy()
+    (plain,) = spawn_ranks(_step_and_push, 1, str(hf_dir), engines[0].url, None, find_free_port(), timeout_s=400)
+    (quant,) = spawn_ranks(_step_and_push, 1, str(hf_dir), engines[1].url, str(fp8_dir), find_free_port(),
+                           timeout_s=400)  # fmt: skip
+    assert plain["push"]["sync/failed"] == 0 and quant["push"]["sync/failed"] == 0, (plain["push"], quant["push"])
+    assert plain["version"] == quant["version"] == 1
+    assert quant["fp8_tensors"] == quant["quantized_names"] > 0 and plain["fp8_tensors"] == 0
+    ref, q = plain["gen"], quant["gen"]
+    same = next((i for i, (a, b) in enumerate(zip(ref.output_ids, q.output_ids)) if a != b), len(ref.output_ids))
+    assert same >= 4, (ref.output_ids, q.output_ids)  # greedy paths agree at least at first
+    worst = max(abs(a - b) for a, b in zip(ref.logprobs[:same], q.logprobs[:same]))
+    print(f"fp8 vs fp32 engine: {same} tokens agree, worst log-prob gap {worst:.4f}")
+    assert worst <= FP8_LOGP_TOL, f"FP8 engine vs fp32 engine log-probs differ by {worst:.3f}"

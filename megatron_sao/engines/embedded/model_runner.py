@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_sao.models import fp8
+
 GREEDY_EPS = 1e-5  # SGLang's _SAMPLING_EPS: temperatures below it mean greedy
 
 
@@ -53,7 +55,14 @@ def check_safetensors(path: Path) -> None:
 
 def load_hf_model(model_dir: str | Path, dtype: str = "auto") -> torch.nn.Module:
     """AutoModelForCausalLM from a local directory, eval mode, no grad. dtype: auto | float32 | bfloat16."""
-    from transformers import AutoModelForCausalLM
+    return load_engine_model(model_dir, dtype)[0]
+
+
+def load_engine_model(model_dir: str | Path, dtype: str = "auto") -> tuple[torch.nn.Module, Fp8Weights | None]:
+    """(the model, its FP8 weights when the checkpoint is block-FP8 (models/fp8.py) -- served as SGLang serves
+    one: the FP8 bytes and scales are what the engine holds and what pushes must bring; the forward runs on their
+    dequantization in the compute dtype, float32 for `auto`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(model_dir)
     if not (path / "config.json").is_file():
@@ -62,10 +71,65 @@ def load_hf_model(model_dir: str | Path, dtype: str = "auto") -> torch.nn.Module
     if torch_dtype is None:
         raise ValueError(f"dtype={dtype!r}; use auto, float32 or bfloat16")
     check_safetensors(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    fmt = fp8.checkpoint_format(path)
+    if fmt is None:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        served = None
+    else:  # transformers' FP8 loader needs a GPU: build the model and load the checkpoint through the mapping
+        config = AutoConfig.from_pretrained(path)
+        if hasattr(config, "quantization_config"):
+            delattr(config, "quantization_config")
+        compute = torch.float32 if torch_dtype == "auto" else torch_dtype
+        model = AutoModelForCausalLM.from_config(config, dtype=compute)
+        served = Fp8Weights.load(model, path, fmt)
     model.eval()
     model.requires_grad_(False)
-    return model
+    return model, served
+
+
+class Fp8Weights:
+    """A block-FP8 checkpoint as the embedded engine serves it: `tensors` holds, under their HF names, every
+    quantized weight's float8_e4m3fn bytes and its `_scale_inv` (what /weights_checker hashes and pushes replace);
+    the model's own parameters hold their dequantization, refreshed after every applied update."""
+
+    def __init__(self, model: torch.nn.Module, fmt: fp8.Fp8Format, tensors: dict[str, torch.Tensor]) -> None:
+        self.fmt, self.tensors = fmt, tensors
+        self._model_tensors = dict(model.state_dict())
+
+    @classmethod
+    def load(cls, model: torch.nn.Module, path: Path, fmt: fp8.Fp8Format) -> Fp8Weights:
+        from safetensors.torch import load_file
+
+        from megatron_sao.models.mapping import resolve_in_memory
+
+        state = dict(model.state_dict())
+        on_disk: dict[str, torch.Tensor] = {}
+        for f in sorted(path.glob("*.safetensors")):
+            on_disk.update(load_file(str(f)))
+        held: dict[str, torch.Tensor] = {}
+        for name, t in on_disk.items():
+            if name.endswith(fp8.SCALE_SUFFIX):
+                continue
+            if fmt.quantized(name):
+                held[name], held[fp8.scale_name(name)] = t, on_disk[fp8.scale_name(name)].float()
+            else:
+                resolve_in_memory(name, state).view(state).copy_(t)
+        weights = cls(model, fmt, held)
+        weights.refresh(set(fmt.names))
+        if getattr(model.config, "tie_word_embeddings", False):
+            model.tie_weights()
+        return weights
+
+    def refresh(self, names: set[str]) -> None:
+        """Dequantize the FP8 weights among `names` (a weight or its scale) into the model's parameters."""
+        from megatron_sao.models.mapping import resolve_in_memory
+
+        bases = {n.removesuffix(fp8.SCALE_SUFFIX) for n in names} & set(self.fmt.names)
+        with torch.no_grad():
+            for base in sorted(bases):
+                view = resolve_in_memory(base, self._model_tensors).view(self._model_tensors)
+                q, scale = self.tensors[base], self.tensors[fp8.scale_name(base)]
+                view.copy_(fp8.dequantize(q, scale, self.fmt.block, view.dtype))
 
 
 def eos_token_ids(model_dir: str | Path, model: torch.nn.Module) -> tuple[int, ...]:

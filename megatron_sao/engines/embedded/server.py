@@ -309,12 +309,12 @@ def build_state(
     session_timeout_s: float = 300.0,
 ) -> EngineState:
     """Load the model (and tokenizer unless skipped or absent) and start the scheduler thread."""
-    from megatron_sao.engines.embedded.model_runner import ModelRunner, eos_token_ids, load_hf_model
+    from megatron_sao.engines.embedded.model_runner import ModelRunner, eos_token_ids, load_engine_model
 
-    model = load_hf_model(model_dir, dtype)
+    model, fp8 = load_engine_model(model_dir, dtype)
     ctx = context_length or int(getattr(model.config, "max_position_embeddings", 4096))
     tokenizer = None if skip_tokenizer_init else _maybe_tokenizer(model_dir)
-    updater = WeightUpdater(model, P.ServerProtocol(sglang_version, embedded=True), session_timeout_s)
+    updater = WeightUpdater(model, P.ServerProtocol(sglang_version, embedded=True), session_timeout_s, fp8=fp8)
     scheduler = Scheduler(
         ModelRunner(model),
         updater,

@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,9 @@ from megatron_sao.distributed import flat_bucket
 from megatron_sao.distributed.update_group import destroy_update_group, init_update_group
 from megatron_sao.engines.protocol import ServerProtocol
 from megatron_sao.models.mapping import Target, on_disk_names, resolve_in_memory
+
+if TYPE_CHECKING:
+    from megatron_sao.engines.embedded.model_runner import Fp8Weights
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +105,14 @@ class WeightUpdater:
     the engine, whose weights are intact, may resume serving them (server.py does)."""
 
     def __init__(self, model: torch.nn.Module, protocol: ServerProtocol, session_timeout_s: float = GROUP_TIMEOUT_S,
-                 on_orphaned: Callable[[str], None] | None = None) -> None:  # fmt: skip
+                 on_orphaned: Callable[[str], None] | None = None, fp8: Fp8Weights | None = None) -> None:  # fmt: skip
         self.session_timeout_s = session_timeout_s
         self.on_orphaned = on_orphaned or (lambda reason: None)
         self.tensors: dict[str, torch.Tensor] = dict(model.state_dict())  # share storage with the model
+        # a block-FP8 checkpoint: its FP8 weights and scales (HF names) are what this engine holds and receives
+        self.fp8 = fp8
+        if fp8 is not None:
+            self.tensors.update(fp8.tensors)
         self.protocol = protocol
         self.groups: dict[str, Any] = {}  # group name -> the update process group (distributed/update_group.py)
         self.serial = threading.Lock()  # SGLang's model-update lock: one weight-control request at a time
@@ -438,3 +445,5 @@ class WeightUpdater:
         with torch.no_grad():
             for target, tensor in zip(update.targets, update.tensors):
                 target.view(self.tensors).copy_(tensor)
+        if self.fp8 is not None:  # the forward runs on the FP8 weights' dequantization
+            self.fp8.refresh({t.key for t in update.targets})
