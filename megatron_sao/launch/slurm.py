@@ -37,6 +37,9 @@ from megatron_sao.launch.steps import Step, build_steps, describe
 log = logging.getLogger(__name__)
 
 POLL_S = 1.0
+VALUE_DONE_GRACE_S = 120.0
+"""How long the learner may take to finish after its value job ended with 0 (training over) before the launcher
+takes the value job's exit for a failure."""
 
 
 class LaunchError(RuntimeError):
@@ -224,6 +227,10 @@ class SlurmRun:
             if self.signum:
                 return 0
             code = self.learner.exited()
+            if code is None and self.critic is not None and self.critic.exited() == 0:
+                # the value job ends with 0 only when the learner told it training is over: the learner is finishing
+                # (its last checkpoint, the final push); let it, instead of taking it for a failure
+                code = self.learner.wait(VALUE_DONE_GRACE_S)
             if code is None and self.critic is not None and self.critic.exited() is not None:
                 # the learner cannot go on without its value job (nor checkpoint): stop it and start both again
                 print(f"[launch] the value job exited with {self.critic.exited()}; stopping the learner to start both "
