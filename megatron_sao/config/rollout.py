@@ -42,11 +42,32 @@ class SGLangServerConfig(Section):
     weight_version: str = "0"
     """--weight-version: the version string of the launch weights (the learner pushes str(step) after that)."""
 
+    nnodes: int = Field(default=1, ge=1)
+    """--nnodes: nodes one engine spans (SGLang's multi-node serving: its tp x dp GPUs split evenly over them, e.g.
+    TP=16 over two 8-GPU nodes for a 750B model on H100s). The launcher starts it on each node with --node-rank and
+    --dist-init-addr (node-rank 0's address, port dist_init_port + engine index); only node-rank 0 serves HTTP, and
+    every rank of it joins the weight-update groups (its /server_info tp_size counts them all)."""
+
+    dist_init_port: int = Field(default=31000, ge=1024, le=65535)
+    """Engine i spanning nodes rendezvouses at node-rank 0's dist_init_port + i (--dist-init-addr)."""
+
     @property
     def gpus(self) -> int:
         """GPUs one engine takes (tp x dp); engines on one node get --base-gpu-id 0, gpus, 2 x gpus, ...
         (launch.gpus_per_node bounds how many fit)."""
         return self.tp * self.dp
+
+    @property
+    def gpus_per_node(self) -> int:
+        """GPUs one engine takes on each of its nodes."""
+        return self.gpus // self.nnodes
+
+    @model_validator(mode="after")
+    def _check_nodes(self) -> SGLangServerConfig:
+        if self.gpus % self.nnodes:
+            raise ValueError(f"rollout.sglang.nnodes={self.nnodes} does not divide the engine's tp x dp = {self.gpus} "
+                             "GPUs: an engine spans its nodes evenly")  # fmt: skip
+        return self
 
     extra_args: list[str] = Field(default_factory=list)
     """Appended verbatim to the launch command. `--quantization fp8` only with rollout.model_path set to a block-FP8

@@ -23,10 +23,18 @@ from megatron_sao.engines.client import SGLangClient
 
 
 def sglang_command(
-    rollout: RolloutConfig, model_path: str, index: int, host: str, base_gpu_id: int = 0, python: str = sys.executable
+    rollout: RolloutConfig,
+    model_path: str,
+    index: int,
+    host: str,
+    base_gpu_id: int = 0,
+    python: str = sys.executable,
+    node_rank: int = 0,
+    dist_init_host: str | None = None,
 ) -> list[str]:
     """The launch command of SGLang engine `index` (port base_port + index), bound to `host`, on the GPUs from
-    `base_gpu_id` on."""
+    `base_gpu_id` on; for an engine spanning rollout.sglang.nnodes nodes, the part of node `node_rank`, all parts
+    meeting at `dist_init_host`:dist_init_port + index (node-rank 0's address)."""
     sg = rollout.sglang
     if sg.dp > 1 and "--enable-dp-attention" not in sg.extra_args:
         raise ValueError(f"rollout.sglang.dp={sg.dp}: SGLang refuses weight-update groups for data-parallel replicas "
@@ -39,6 +47,12 @@ def sglang_command(
     cmd += ["--weight-version", sg.weight_version, "--base-gpu-id", str(base_gpu_id)]
     if sg.skip_tokenizer_init:
         cmd.append("--skip-tokenizer-init")
+    if sg.nnodes > 1:
+        if dist_init_host is None:
+            raise ValueError(f"rollout.sglang.nnodes={sg.nnodes}: an engine spanning nodes needs its node-rank 0's "
+                             "address (--dist-init-addr); the Slurm launcher places such engines")  # fmt: skip
+        cmd += ["--nnodes", str(sg.nnodes), "--node-rank", str(node_rank),
+                "--dist-init-addr", f"{dist_init_host}:{sg.dist_init_port + index}"]  # fmt: skip
     return cmd + list(sg.extra_args)
 
 
@@ -63,21 +77,35 @@ def engines_per_node(rollout: RolloutConfig, gpus_per_node: int) -> int | None:
     fields when not even one does."""
     if rollout.engine != "sglang":
         return None
-    gpus = rollout.sglang.gpus
+    sg = rollout.sglang
+    gpus = sg.gpus_per_node
     if gpus > gpus_per_node:
-        raise ValueError(f"rollout.sglang.tp x dp = {gpus} GPUs per engine exceeds launch.gpus_per_node="
-                         f"{gpus_per_node}: lower rollout.sglang.tp (SGLang's TP stays within a node) or fix "
-                         "launch.gpus_per_node")  # fmt: skip
+        raise ValueError(
+            f"rollout.sglang.tp x dp = {sg.gpus} GPUs per engine over rollout.sglang.nnodes={sg.nnodes} "
+            f"node(s) is {gpus} per node, more than launch.gpus_per_node={gpus_per_node}: span more "
+            "nodes (rollout.sglang.nnodes), lower rollout.sglang.tp or fix launch.gpus_per_node"
+        )
+    if sg.nnodes > 1 and gpus != gpus_per_node:
+        raise ValueError(f"rollout.sglang.nnodes={sg.nnodes}: an engine spanning nodes takes them whole, but tp x dp / "
+                         f"nnodes = {gpus} is not launch.gpus_per_node={gpus_per_node}")  # fmt: skip
     return gpus_per_node // gpus
 
 
 def engine_command(
-    rollout: RolloutConfig, model_path: str, index: int, host: str, slot: int = 0, python: str = sys.executable
+    rollout: RolloutConfig,
+    model_path: str,
+    index: int,
+    host: str,
+    slot: int = 0,
+    python: str = sys.executable,
+    node_rank: int = 0,
+    dist_init_host: str | None = None,
 ) -> list[str]:
     """Engine `index`'s command; `slot`: its place among the engines of its node (which GPUs an SGLang engine
-    takes)."""
+    takes); `node_rank`, `dist_init_host`: for an engine spanning nodes, which part and where the parts meet."""
     if rollout.engine == "sglang":
-        return sglang_command(rollout, model_path, index, host, slot * rollout.sglang.gpus, python)
+        return sglang_command(rollout, model_path, index, host, slot * rollout.sglang.gpus_per_node, python,
+                              node_rank, dist_init_host)  # fmt: skip
     return embedded_command(rollout, model_path, index, host, python)
 
 

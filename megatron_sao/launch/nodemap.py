@@ -28,9 +28,14 @@ class Node:
 @dataclass(frozen=True)
 class EnginePlace:
     index: int  # port base_port + index
-    node: Node
+    node: Node  # node-rank 0: it serves HTTP
     slot: int  # its place among its node's engines (which GPUs)
     url: str
+    nodes: tuple[Node, ...] = ()  # every node it spans, node-rank order (rollout.sglang.nnodes); () means (node,)
+
+    @property
+    def span(self) -> tuple[Node, ...]:
+        return self.nodes or (self.node,)
 
 
 @dataclass(frozen=True)
@@ -65,13 +70,14 @@ class NodeMap:
         for n in self.value:
             roles.setdefault(n.name, []).append("value job")
         for e in self.engines:
-            roles.setdefault(e.node.name, []).append(f"engine-{e.index}")
+            for n in e.span:
+                roles.setdefault(n.name, []).append(f"engine-{e.index}")
         for w in self.workers:
             roles.setdefault(w.node.name, []).append(w.worker_id)
         for n in self.unused:
             roles.setdefault(n.name, []).append("(unused)")
         addrs = {n.name: n.addr for n in (*self.learner, *self.value, *self.unused)}
-        addrs.update({e.node.name: e.node.addr for e in self.engines})
+        addrs.update({n.name: n.addr for e in self.engines for n in e.span})
         addrs.update({w.node.name: w.node.addr for w in self.workers})
         width = max(len(name) for name in roles)
         lines = [f"  {name:<{width}}  {addrs[name]:<15}  {', '.join(r)}" for name, r in roles.items()]
@@ -120,11 +126,18 @@ def plan(cfg: SAOConfig, nodes: list[Node]) -> NodeMap:
         raise NodeMapError(f"launch.nproc_per_node={la.nproc_per_node} learner ranks per node exceed "
                            f"launch.gpus_per_node={la.gpus_per_node}: one rank per GPU; lower launch.nproc_per_node "
                            "and raise launch.nnodes")  # fmt: skip
-    if r.num_engines % len(engine_nodes):
+    span = r.sglang.nnodes if r.engine == "sglang" else 1
+    if span > 1 and len(engine_nodes) != r.num_engines * span:
+        raise NodeMapError(
+            f"rollout.num_engines={r.num_engines} engines spanning rollout.sglang.nnodes={span} nodes "
+            f"each need launch.rollout_nodes={r.num_engines * span}, not {len(engine_nodes)}"
+        )
+    groups = [tuple(engine_nodes[i : i + span]) for i in range(0, len(engine_nodes), span)]
+    if r.num_engines % len(groups):
         raise NodeMapError(f"rollout.num_engines={r.num_engines} does not spread evenly over {len(engine_nodes)} "
                            f"engine node(s) (launch.rollout_nodes={la.rollout_nodes}): make rollout.num_engines a "
                            f"multiple of {len(engine_nodes)}")  # fmt: skip
-    per_node = r.num_engines // len(engine_nodes)
+    per_node = r.num_engines // len(groups)
     try:
         fit = engines_per_node(r, la.gpus_per_node)
     except ValueError as e:
@@ -134,8 +147,8 @@ def plan(cfg: SAOConfig, nodes: list[Node]) -> NodeMap:
                            f"exceed launch.gpus_per_node={la.gpus_per_node}: raise launch.rollout_nodes to "
                            f"{-(-r.num_engines // fit)} or lower rollout.num_engines")  # fmt: skip
     engines = tuple(
-        EnginePlace(i, node, slot, f"http://{node.addr}:{r.base_port + i}")
-        for n, node in enumerate(engine_nodes)
+        EnginePlace(i, group[0], slot, f"http://{group[0].addr}:{r.base_port + i}", group if span > 1 else ())
+        for n, group in enumerate(groups)
         for slot, i in enumerate(range(n * per_node, (n + 1) * per_node))
     )
     count = len(worker_nodes) * la.workers_per_node

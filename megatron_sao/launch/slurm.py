@@ -173,7 +173,7 @@ class SlurmRun:
 
     def _wait_engines_healthy(self) -> None:
         deadline = time.monotonic() + self.cfg.rollout.health_timeout_s
-        pending = list(self.engines)
+        pending = [e for e in self.engines if e.step.url]  # node-rank 0 of each engine serves HTTP
         while pending:
             for e in list(pending):
                 if e.exited() is not None:
@@ -211,6 +211,8 @@ class SlurmRun:
         while True:
             held = []
             for e in self.engines:
+                if not e.step.url:
+                    continue  # a node-rank > 0 part of an engine spanning nodes
                 try:
                     held.append(SGLangClient(e.step.url or "").weight_version())
                 except Exception:

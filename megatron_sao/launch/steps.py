@@ -48,16 +48,18 @@ def build_steps(
     la, r = cfg.launch, cfg.rollout
     model = cfg.engine_model_path or ""
     urls = ",".join(nodes.engine_urls)
+    # an engine spanning nodes is one step per node: the same server with its --node-rank; node-rank 0 serves HTTP
     steps = [
         Step(
-            f"engine-{e.index}",
+            f"engine-{e.index}" if rank == 0 else f"engine-{e.index}-node{rank}",
             "engine",
-            (e.node.name,),
-            tuple(engine_command(r, model, e.index, e.node.addr, e.slot, python)),
+            (node.name,),
+            tuple(engine_command(r, model, e.index, node.addr, e.slot, python, rank, e.node.addr)),
             step_env(),
-            e.url,
+            e.url if rank == 0 else None,
         )  # fmt: skip
         for e in nodes.engines
+        for rank, node in enumerate(e.span)
     ]
     learn = ["learn", config_path, "--engines", urls, *overrides, "--bus.bind", nodes.bus_bind]
     if nodes.critic_bridge:

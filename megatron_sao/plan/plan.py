@@ -373,10 +373,16 @@ def _plan_engines(cfg: SAOConfig, arch: Architecture, hw: Hardware, plan: Plan) 
     if mem.pool <= 0:
         plan.misfits.append(Misfit("rollout.sglang.tp", f"an engine GPU holds {mem.weights / GB:.1f} GB of weights "
                                    f"(TP={r.sglang.tp}), more than rollout.sglang.mem_fraction_static x "
-                                   f"{hw.engine_mem_gb:g} GB = {budget:.1f} GB: raise rollout.sglang.tp, serve fp8 "
-                                   "weights (--quantization fp8 in rollout.sglang.extra_args) or use larger GPUs "
+                                   f"{hw.engine_mem_gb:g} GB = {budget:.1f} GB: raise rollout.sglang.tp (beyond a "
+                                   "node's GPUs with rollout.sglang.nnodes), serve a block-FP8 checkpoint "
+                                   "(rollout.model_path, --quantization fp8) or use larger GPUs "
                                    "(--engine-gpu-mem-gb)"))  # fmt: skip
         return
+    if r.sglang.gpus_per_node > hw.gpus_per_node:
+        plan.misfits.append(Misfit("rollout.sglang.nnodes", f"an engine takes rollout.sglang.tp x dp = {r.sglang.gpus} "
+                                   f"GPUs, {r.sglang.gpus_per_node} per node over rollout.sglang.nnodes="
+                                   f"{r.sglang.nnodes}, more than a node's {hw.gpus_per_node}: span "
+                                   f"{-(-r.sglang.gpus // hw.gpus_per_node)} nodes"))  # fmt: skip
     if mem.capacity_tokens < r.max_total_tokens:
         msg = f"an engine's KV cache holds {mem.capacity_tokens:,.0f} tokens, fewer than one episode of "
         plan.misfits.append(Misfit("rollout.max_total_tokens", msg + f"rollout.max_total_tokens={r.max_total_tokens}"))

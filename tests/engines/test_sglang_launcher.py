@@ -20,7 +20,8 @@ from megatron_sao.engines.sglang_launcher import (
 
 # SGLang 0.5.23 srt/arg_groups/fields/*.py field -> flag (arg_utils._field_to_cli_name: "--" + name with "-"):
 # model.py model_path; serving.py host, port, skip_tokenizer_init, weight_version; parallel.py tp_size, dp_size,
-# ep_size; schedule.py mem_fraction_static; device.py base_gpu_id. Flags taking a value / boolean switches:
+# ep_size, nnodes, node_rank, dist_init_addr; schedule.py mem_fraction_static; device.py base_gpu_id. Flags taking a
+# value / boolean switches:
 SGLANG_VALUE_FLAGS = {"--model-path", "--host", "--port", "--tp-size", "--dp-size", "--ep-size",
                       "--mem-fraction-static", "--weight-version", "--base-gpu-id"}  # fmt: skip
 SGLANG_SWITCHES = {"--skip-tokenizer-init"}
@@ -60,6 +61,18 @@ def test_sglang_command_uses_sglang_flag_names_and_config_values() -> None:
         sglang_command(rc, "/m", 0, "0.0.0.0")
     rc.sglang.extra_args = ["--enable-dp-attention"]
     assert _flags(sglang_command(rc, "/m", 0, "0.0.0.0")[:-1])["--dp-size"] == "2"
+
+
+def test_an_engine_spanning_nodes_gets_sglangs_multi_node_flags() -> None:
+    """parallel.py nnodes, node_rank, dist_init_addr (--nnodes, --node-rank, --dist-init-addr host:port)."""
+    rc = RolloutConfig(engine="sglang", base_port=30000)
+    rc.sglang.tp, rc.sglang.ep, rc.sglang.nnodes = 16, 16, 2
+    cmd = sglang_command(rc, "/m", 3, "10.0.0.9", node_rank=1, dist_init_host="10.0.0.8")
+    flags = _flags(cmd)
+    assert flags["--nnodes"] == "2" and flags["--node-rank"] == "1" and flags["--dist-init-addr"] == "10.0.0.8:31003"
+    assert flags["--tp-size"] == "16" and flags["--port"] == "30003"
+    with pytest.raises(ValueError, match="needs its node-rank 0's address"):
+        sglang_command(rc, "/m", 0, "10.0.0.9")  # local mode cannot place an engine over nodes
 
 
 def test_embedded_command_and_running_engines_need_no_launch() -> None:

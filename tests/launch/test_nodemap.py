@@ -65,7 +65,14 @@ def test_a_wildcard_bus_bind_stays_and_workers_connect_to_the_learner_node() -> 
         (["--launch.rollout_nodes", "2", "--rollout.num_engines", "3"], 3,
          "rollout.num_engines=3 does not spread evenly over 2 engine node.*multiple of 2"),
         (["--rollout.engine", "sglang", "--rollout.sglang.tp", "16", "--launch.gpus_per_node", "8"], 1,
-         r"rollout.sglang.tp x dp = 16 GPUs per engine exceeds launch.gpus_per_node=8"),
+         r"tp x dp = 16 GPUs per engine over rollout.sglang.nnodes=1 node\(s\) is 16 per node, more than "
+         r"launch.gpus_per_node=8: span more nodes \(rollout.sglang.nnodes\)"),
+        (["--rollout.engine", "sglang", "--rollout.sglang.tp", "16", "--rollout.sglang.nnodes", "2",
+          "--launch.gpus_per_node", "8", "--launch.rollout_nodes", "3", "--rollout.num_engines", "2"], 4,
+         r"rollout.num_engines=2 engines spanning rollout.sglang.nnodes=2 nodes each need launch.rollout_nodes=4"),
+        (["--rollout.engine", "sglang", "--rollout.sglang.tp", "8", "--rollout.sglang.nnodes", "2",
+          "--launch.gpus_per_node", "8", "--launch.rollout_nodes", "2"], 3,
+         r"an engine spanning nodes takes them whole, but tp x dp / nnodes = 4 is not launch.gpus_per_node=8"),
         (["--rollout.engine", "sglang", "--rollout.sglang.tp", "4", "--launch.gpus_per_node", "8",
           "--rollout.num_engines", "3"], 1, r"3 SGLang engines per node x 4 GPUs .*raise launch.rollout_nodes to 2"),
         (["--launch.gpus_per_node", "4", "--launch.nproc_per_node", "8", "--parallel.expert", "4"], 1,
@@ -91,3 +98,31 @@ def test_placeholder_nodes_cover_the_roles() -> None:
     cfg = _cfg("--launch.rollout_nodes", "2", "--rollout.num_engines", "4")
     m = plan(cfg, placeholder_nodes(cfg.launch.total_nodes))
     assert [e.node.name for e in m.engines] == ["node002", "node002", "node003", "node003"]
+
+
+def test_an_engine_spanning_two_nodes_runs_one_part_per_node_meeting_at_its_first() -> None:
+    """SGLang's multi-node serving (TP=16 over two 8-GPU nodes): one step per node with --nnodes, its --node-rank
+    and node-rank 0's --dist-init-addr; only node-rank 0 has a URL (it serves HTTP) and the learner pushes to it."""
+    cfg = _cfg("--rollout.engine", "sglang", "--rollout.sglang.tp", "16", "--rollout.sglang.ep", "16",
+               "--rollout.sglang.nnodes", "2", "--launch.gpus_per_node", "8", "--launch.rollout_nodes", "4",
+               "--rollout.num_engines", "2", "--launch.nproc_per_node", "1")  # fmt: skip
+    nodes = [Node(f"n{i}", f"10.0.0.{i}") for i in range(1, 6)]
+    m = plan(cfg, nodes)
+    assert [[n.name for n in e.span] for e in m.engines] == [["n2", "n3"], ["n4", "n5"]]
+    assert m.engine_urls == ["http://10.0.0.2:30000", "http://10.0.0.4:30001"]
+    steps = {s.name: s for s in build_steps(cfg, "c.yaml", [], m, python="py")}
+    assert [n for n in steps if n.startswith("engine")] == ["engine-0", "engine-0-node1", "engine-1", "engine-1-node1"]
+    for name, node, rank, meet in (
+        ("engine-1", "n4", 0, "10.0.0.4:31001"),
+        ("engine-1-node1", "n5", 1, "10.0.0.4:31001"),
+    ):
+        cmd = steps[name].command
+        assert steps[name].nodes == (node,)
+        assert cmd[cmd.index("--nnodes") + 1] == "2" and cmd[cmd.index("--node-rank") + 1] == str(rank)
+        assert cmd[cmd.index("--dist-init-addr") + 1] == meet and cmd[cmd.index("--tp-size") + 1] == "16"
+        assert cmd[cmd.index("--base-gpu-id") + 1] == "0"
+    assert steps["engine-1"].url == "http://10.0.0.4:30001" and steps["engine-1-node1"].url is None
+    learner = steps["learner"].command
+    assert learner[learner.index("--engines") + 1] == "http://10.0.0.2:30000,http://10.0.0.4:30001"
+    with pytest.raises(ConfigError, match="rollout.sglang.nnodes=3 does not divide"):
+        _cfg("--rollout.sglang.tp", "16", "--rollout.sglang.nnodes", "3")

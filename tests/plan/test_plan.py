@@ -73,6 +73,20 @@ def test_glm_engines_need_more_than_80_gb(capsys: pytest.CaptureFixture[str]) ->
     assert "rollout.sglang.tp: an engine GPU holds 186.0 GB of weights" in out
 
 
+GLM_H100 = ["--nodes", "128", "--gpus-per-node", "8", "--gpu-mem-gb", "80", "--engine-gpu-mem-gb", "80",
+            "--rollout.sglang.tp", "16", "--rollout.sglang.ep", "16", "--rollout.sglang.nnodes", "2",
+            "--launch.rollout_nodes", "64", "--rollout.concurrency", "16"]  # fmt: skip
+"""GLM-5 on H100s only: 32 engines of TP=16 over two 8-GPU nodes each (examples/glm_750b/README.md)."""
+
+
+def test_glm_fits_on_h100_engines_that_span_two_nodes(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out = plan_cli(capsys, GLM, *GLM_H100)
+    assert rc == 0, out
+    assert "32 SGLang servers x TP=16, EP=16" in out and out.rstrip().endswith("fits")
+    rc, out = plan_cli(capsys, GLM, *[a for a in GLM_H100 if a not in ("--rollout.sglang.nnodes", "2")])
+    assert rc == 1 and "rollout.sglang.nnodes: an engine takes rollout.sglang.tp x dp = 16 GPUs" in out
+
+
 def test_too_few_nodes(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out = plan_cli(capsys, QWEN, "--nodes", "5")
     assert rc == 1 and "launch.rollout_nodes" in out and "allocate 6 nodes" in out
