@@ -175,6 +175,9 @@ class SlurmRun:
         deadline = time.monotonic() + self.cfg.rollout.health_timeout_s
         pending = [e for e in self.engines if e.step.url]  # node-rank 0 of each engine serves HTTP
         while pending:
+            for e in [e for e in self.engines if e.exited() is not None]:  # any part of any engine
+                raise LaunchError(f"{e.step.name} ({e.step.url or 'a node-rank > 0 part'}) exited with {e.exited()} "
+                                  "while starting:\n" + "\n".join(e.tail[-20:]))  # fmt: skip
             for e in list(pending):
                 if e.exited() is not None:
                     raise LaunchError(f"{e.step.name} ({e.step.url}) exited with {e.exited()} while starting:\n"
@@ -279,7 +282,22 @@ class SlurmRun:
         r.restarts += 1
         print(f"[launch] {r.step.name} exited with {code}; starting it again ({r.restarts}/"
               f"{self.cfg.launch.max_restarts})", flush=True)  # fmt: skip
-        r.start()
+        parts = self._engine_parts(r)
+        for p in parts:  # the parts of an engine spanning nodes cannot rejoin a running one: all start again
+            if p is not r and p.exited() is None:
+                p.signal(signal.SIGTERM)
+                if p.wait(30.0) is None:
+                    p.kill()
+        for p in parts:
+            p.start()
+
+    def _engine_parts(self, r: Running) -> list[Running]:
+        """`r`, and for a part of an engine spanning nodes (engine-<i>, engine-<i>-node<r>) its other parts."""
+        if r.step.role != "engine":
+            return [r]
+        base = r.step.name.split("-node")[0]
+        return [r] + [e for e in self.engines if e is not r and (e.step.name == base or
+                                                                 e.step.name.startswith(base + "-node"))]  # fmt: skip
 
     def _stop_all(self) -> int | None:
         """The learner first (a stop request: it checkpoints and exits; SIGTERM, then SIGKILL if it has not within

@@ -410,7 +410,7 @@ def _plan_sync(cfg: SAOConfig, hw: Hardware, plan: Plan) -> None:
     receiver = total / bandwidth
     source = total / pp / bandwidth
     # buckets fill to bucket_bytes within each stage's dense tensors and within its experts (weight_sync/plan.py)
-    experts = plan.counts.routed * 2
+    experts = c.routed + c.routed * 4 // (128 * 128) if fp8_engines else c.routed * 2
     buckets = pp * (math.ceil((total - experts) / pp / bucket) + math.ceil(experts / pp / bucket))
     floor = max(receiver, source)
     plan.sync = SyncPlan(bytes_per_engine_rank=total, buckets=buckets, sources=pp,

@@ -44,6 +44,8 @@ from megatron_sao.weight_sync.sender import (
 log = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_S = 120.0
+CHECKSUM_SKIP = ("proj", "experts", "embed", "lm_head", "mlp.gate", "indexer", "shared_expert")
+"""/weights_checker skip_tensor_list when only a few norms are checked: the weights SGLang would otherwise hash too."""
 """Pause, begin, end, continue, verify calls (each engine in parallel)."""
 
 
@@ -266,17 +268,20 @@ class EngineSet:
         url = member.url
         held: list[dict[str, str]] = []
         if member.protocol.weights_checker:
+            names = [name for _, name, _, _ in samples]
+            skip = [p for p in CHECKSUM_SKIP if not any(p in n for n in names)]  # hash the norms, not the model
             try:
-                held = [r.get("checksums", {}) for r in client.weights_checksum().get("ranks", [])]
+                held = [r.get("checksums", {}) for r in client.weights_checksum(skip).get("ranks", [])]
             except (EngineError, OSError, AttributeError) as e:
                 log.warning("weight sync: %s /weights_checker failed (%s); checking rows instead", url, e)
         for stage, name, rows, checksum in samples:
             ranks = [i for i, h in enumerate(held) if name in h]
+            wrong: list[int] = []
             if ranks and checksum is not None:
                 wrong = [i for i in ranks if held[i][name] != checksum]
-                if wrong:
-                    return f"stage {stage}: {name} differs from what was sent on engine rank(s) {wrong}"
-                continue
+                if not wrong:
+                    continue
+            # no checksum shown, or one that differs (a tensor SGLang holds sliced or in another dtype): the rows
             try:
                 got = client.get_weights_by_name(name, truncate_size=len(rows))
             except EngineError as e:
@@ -284,6 +289,8 @@ class EngineSet:
             else:
                 why = "it answered null"
             if got is None:
+                if wrong:
+                    return f"stage {stage}: {name} differs from what was sent on engine rank(s) {wrong}"
                 if (url, name) not in self._unverifiable:
                     log.warning("weight sync: %s shows stage %d's %s neither by checksum nor by rows (%s); that "
                                 "stage's part of its pushes is not verified", url, stage, name, why)  # fmt: skip

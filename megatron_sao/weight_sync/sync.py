@@ -209,6 +209,10 @@ class WeightSync:
             self.gather.run(sender.start if sender is not None else None, on_packed if sender is not None else None)
         except WeightSyncError as e:
             report.error = str(e)
+        except BaseException as e:  # a collective of the gathers failed: stop the later stages now, then raise
+            if sender is not None and sender.order is not None:
+                sender.order.finish(f"stage {self.stage.stage} failed: {e!r}")
+            raise
         if sender is not None and sender.order is not None:
             sender.order.finish(report.error)
             report.order_wait_s = sender.order.waited_s

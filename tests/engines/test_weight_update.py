@@ -273,3 +273,35 @@ def test_an_update_receiving_past_the_idle_timeout_is_staged_in_its_session_not_
     assert torch.equal(out["before_end"], out["base"]) and out["version_before_end"] == 0, "applied before end"
     assert isinstance(out["end"], dict) and out["end"]["success"], out["end"]
     assert torch.equal(out["after_end"], out["base"] * 3) and out["version"] == 7
+
+
+def test_an_end_that_wins_the_lock_over_an_announced_update_refuses_the_session() -> None:
+    """An update announced to a session waits for the engine's one-at-a-time lock; an end_weight_update that gets the
+    lock first must not commit what the session staged so far (it would be half a push)."""
+    import threading
+
+    from megatron_sao.engines.embedded.weights import WeightUpdateError, WeightUpdater
+
+    updater = WeightUpdater(torch.nn.Linear(2, 2), P.ServerProtocol("0.5.23", embedded=True))
+    updater.begin()
+    updater.serial.acquire()  # another request holds the lock
+    box: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: box.update(r=_catch(updater.receive, ["weight"], ["float32"], [[2, 2]],
+                                                            "g", None)), daemon=True)  # fmt: skip
+    t.start()
+    deadline = time.monotonic() + 10
+    while updater.session is not None and updater.session.receiving < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with pytest.raises(WeightUpdateError, match="still receiving"):
+        updater._end()  # as if end had won the lock
+    updater.serial.release()
+    t.join(10)
+    assert isinstance(box["r"], WeightUpdateError)  # the update finds its session gone: nothing applied
+
+
+def _catch(fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except Exception as e:
+        return e

@@ -257,6 +257,9 @@ class WeightUpdater:
         received after a discard ever reaches the live model. Without sessions the caller applies the update."""
         with self._lock:
             session = self.session
+            if session is not None:  # announced now: an `end` that gets the serial lock first refuses the session
+                session.receiving += 1
+                session.last_activity = time.monotonic()
         if self.protocol.session and session is None:
             raise WeightUpdateError(
                 "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
@@ -268,6 +271,10 @@ class WeightUpdater:
             if session is not None:
                 self._fail(session, str(e))
             raise
+        finally:
+            if session is not None:
+                with self._lock:
+                    session.receiving -= 1
 
     def _receive(
         self,
@@ -309,9 +316,6 @@ class WeightUpdater:
                 problems.append(problem)
             targets.append(target)
         with self._lock:
-            if session is not None:
-                session.receiving += 1
-                session.last_activity = time.monotonic()
             self._traffic(group_name)["receiving"] += 1
             self.order.append(group_name)
         try:
@@ -324,8 +328,6 @@ class WeightUpdater:
             raise WeightUpdateError(f"Failed to receive weights over {group_name!r}: {e}") from e
         finally:
             with self._lock:
-                if session is not None:
-                    session.receiving -= 1
                 self._traffic(group_name)["receiving"] -= 1
         self._record(group_name, names, received)
         if problems:
