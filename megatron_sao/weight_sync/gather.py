@@ -275,6 +275,29 @@ Located = dict[tuple[str, tuple[int, ...]], tuple[Piece, torch.Tensor]]
 """piece key -> (the piece, where its data is now)."""
 
 
+class _Kept:
+    """The handle of a bucket kept in memory instead of sent: it has landed at once."""
+
+    def landed(self) -> None:
+        return None
+
+    def wait(self) -> None:
+        return None
+
+
+def collect(gather: StageGather) -> dict[str, torch.Tensor]:
+    """Take part in every bucket of the stage without engines: on the source, every HF tensor as it would be sent
+    ({name: copy}); {} elsewhere. For tests, tools and benchmarks: the same gathers and packing as a push."""
+    out: dict[str, torch.Tensor] = {}
+
+    def keep(bucket: Bucket, buffer: torch.Tensor) -> PendingSend:
+        out.update((name, view.clone()) for name, view in hf_views(bucket, buffer))
+        return _Kept()
+
+    gather.run(keep if gather.is_source else None)
+    return out
+
+
 def hf_views(bucket: Bucket, buffer: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, view) of every tensor of a packed bucket."""
     for slot in bucket.slots:

@@ -35,7 +35,7 @@ from megatron_sao.models.builder import ModelSpec
 from megatron_sao.models.fp8 import Fp8Format
 from megatron_sao.models.weights import weight_mapping
 from megatron_sao.weight_sync.engines import EngineSet, StageReport
-from megatron_sao.weight_sync.gather import MemoryMeter, StageGather, hf_views, local_pieces, rank_info
+from megatron_sao.weight_sync.gather import MemoryMeter, StageGather, collect, hf_views, local_pieces, rank_info
 from megatron_sao.weight_sync.plan import Bucket, TransferPlan, build_plan
 from megatron_sao.weight_sync.sender import GroupSpec, PushOrder, StageSender, WeightSyncError
 
@@ -314,18 +314,5 @@ def gather_hf_tensors(
     {HF name: tensor} -- its stage's tensors on a source, {} elsewhere --, the plan, this rank's peak extra bytes).
     For tests, tools and benchmarks: the same plan and gathers as a push."""
     _, plan, gather = prepare(model, spec, dtype_of, bucket_bytes, stage, gloo_sends=True, fp8_format=fp8_format)
-    out: dict[str, torch.Tensor] = {}
-
-    class _Landed:
-        def landed(self) -> None:
-            return None
-
-        def wait(self) -> None:
-            return None
-
-    def keep(bucket: Bucket, buffer: torch.Tensor) -> _Landed:
-        out.update((name, view.clone()) for name, view in hf_views(bucket, buffer))
-        return _Landed()
-
-    gather.run(keep if gather.is_source else None)
+    out = collect(gather)
     return out, plan, gather.meter.peak

@@ -92,7 +92,7 @@ def _mixed_dtypes(hf_dir: str) -> dict[str, Any]:
 
     from megatron_sao.models.builder import ModelSpec
     from megatron_sao.models.weights import weight_mapping
-    from megatron_sao.weight_sync.gather import StageGather, hf_views
+    from megatron_sao.weight_sync.gather import StageGather, collect
     from megatron_sao.weight_sync.plan import Piece, RankInfo, build_plan
 
     dist.init_process_group("gloo")
@@ -114,20 +114,7 @@ def _mixed_dtypes(hf_dir: str) -> dict[str, Any]:
     plan = build_plan(infos, mapping, lambda n: hf_dtype.get(n, torch.float32), 1 << 20)
     groups = {m: dist.new_group(list(m)) for m in plan.gather_groups}
     gather = StageGather(plan.stage_of(rank), rank, pieces, groups, mapping, torch.device("cpu"))
-    got: dict[str, torch.Tensor] = {}
-
-    class _Landed:
-        def landed(self) -> None:
-            return None
-
-        def wait(self) -> None:
-            return None
-
-    def keep(bucket: Any, buffer: torch.Tensor) -> _Landed:
-        got.update((n, v.clone()) for n, v in hf_views(bucket, buffer))
-        return _Landed()
-
-    gather.run(keep if gather.is_source else None)
+    got = collect(gather)
     bucket = plan.stages[0].buckets[0]
     return {"got": got, "norm": norm, "bias": bias, "offsets": bucket.receive_offsets}
 
