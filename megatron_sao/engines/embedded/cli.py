@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import subprocess
+import sys
+import threading
 
 from megatron_sao.engines import protocol as P
+from megatron_sao.engines.embedded.tp import TPLayout
 
 
 def parser() -> argparse.ArgumentParser:
@@ -29,8 +33,43 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-session-timeout", type=float, default=300.0, metavar="S",
                    help="discard a weight-update session no update touched for S seconds (its trainer is gone) and "
                    "resume generating")  # fmt: skip
+    p.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=1,
+                   help="tensor-parallel ranks of this engine (processes; gloo), as SGLang's --tp-size")  # fmt: skip
+    p.add_argument("--nnodes", type=int, default=1, help="nodes the engine's ranks span (tp-size / nnodes on each)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's place among them; node 0 serves HTTP")
+    p.add_argument(
+        "--dist-init-addr",
+        default=None,
+        metavar="HOST:PORT",
+        help="where the engine's ranks meet (node 0's address); default on one node: a free local port",
+    )
+    p.add_argument("--tp-rank", type=int, default=None, help=argparse.SUPPRESS)  # the node's other ranks (started here)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
+
+
+def layout_of(args: argparse.Namespace) -> TPLayout:
+    """The engine's TP layout from the command line (a free local port when one node and no --dist-init-addr)."""
+    host, port = "127.0.0.1", 0
+    if args.dist_init_addr:
+        host, sep, port_s = args.dist_init_addr.rpartition(":")
+        if not sep or not port_s.isdigit():
+            raise ValueError(f"--dist-init-addr={args.dist_init_addr!r}: use HOST:PORT")
+        port = int(port_s)
+    elif args.tp_size > 1 and args.nnodes == 1:
+        from megatron_sao.distributed.spawn import find_free_port
+
+        port = find_free_port(host)
+    return TPLayout(args.tp_size, args.nnodes, args.node_rank, host, port)
+
+
+def start_node_ranks(argv: list[str], layout: TPLayout) -> list[subprocess.Popen[bytes]]:
+    """The other TP ranks of this node: the same command with --tp-rank, dying with this process."""
+    from megatron_sao.distributed.spawn import child_env
+
+    addr = ["--dist-init-addr", f"{layout.host}:{layout.port}"]
+    cmd = [sys.executable, "-m", "megatron_sao", "engine", *argv, *addr]
+    return [subprocess.Popen([*cmd, "--tp-rank", str(r)], env=child_env()) for r in layout.node_ranks[1:]]
 
 
 def main(argv: list[str]) -> int:
@@ -54,6 +93,24 @@ def main(argv: list[str]) -> int:
         parse_version(sglang_version)
     except ValueError as e:
         raise SystemExit(f"error: --emulate-sglang: {e}") from None
+    try:
+        layout = layout_of(args)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    store = None
+    if layout.tp_size > 1:
+        from megatron_sao.engines.embedded import tp
+        from megatron_sao.engines.embedded.server import serve_follower
+
+        children = start_node_ranks(argv, layout) if args.tp_rank is None else []
+        tp_rank = layout.node_ranks[0] if args.tp_rank is None else args.tp_rank
+        store = tp.join(layout, tp_rank)
+        threading.Thread(target=tp.watch_ranks, args=(store, layout, children, tp_rank), name="engine-tp-watch",
+                         daemon=True).start()  # fmt: skip
+        if tp_rank != 0:
+            serve_follower(store, tp_rank, args.model, dtype=args.dtype, max_running=args.max_running_requests,
+                           context_length=args.context_length, sglang_version=sglang_version)  # fmt: skip
+            return 0
     state = build_state(
         args.model,
         dtype=args.dtype,
@@ -63,6 +120,8 @@ def main(argv: list[str]) -> int:
         weight_version=args.weight_version,
         sglang_version=sglang_version,
         session_timeout_s=args.weight_session_timeout,
+        tp_store=store,
+        tp_layout=layout,
     )
     serve(state, args.host, args.port)
     return 0

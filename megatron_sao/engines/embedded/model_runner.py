@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,10 +59,14 @@ def load_hf_model(model_dir: str | Path, dtype: str = "auto") -> torch.nn.Module
     return load_engine_model(model_dir, dtype)[0]
 
 
-def load_engine_model(model_dir: str | Path, dtype: str = "auto") -> tuple[torch.nn.Module, Fp8Weights | None]:
+def load_engine_model(
+    model_dir: str | Path, dtype: str = "auto", tp_size: int = 1
+) -> tuple[torch.nn.Module, Fp8Weights | None]:
     """(the model, its FP8 weights when the checkpoint is block-FP8 (models/fp8.py) -- served as SGLang serves
     one: the FP8 bytes and scales are what the engine holds and what pushes must bring; the forward runs on their
-    dequantization in the compute dtype, float32 for `auto`)."""
+    dequantization in the compute dtype, float32 for `auto`). `tp_size` > 1: this process is one of the engine's TP
+    ranks, all in torch.distributed's default group (embedded/tp.py); the model is sharded over them by its family's
+    own tensor-parallel plan in transformers."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(model_dir)
@@ -72,7 +77,20 @@ def load_engine_model(model_dir: str | Path, dtype: str = "auto") -> tuple[torch
         raise ValueError(f"dtype={dtype!r}; use auto, float32 or bfloat16")
     check_safetensors(path)
     fmt = fp8.checkpoint_format(path)
-    if fmt is None:
+    if tp_size > 1:
+        from transformers.distributed import DistributedConfig
+
+        if fmt is not None:
+            raise ValueError(f"{path} is a block-FP8 checkpoint: the embedded engine serves FP8 at --tp-size 1 only "
+                             "(serve the bf16/fp32 checkpoint at TP > 1, or FP8 on one rank)")  # fmt: skip
+        config = AutoConfig.from_pretrained(path)
+        if not getattr(config, "base_model_tp_plan", None):
+            raise ValueError(f"{path}: transformers has no tensor-parallel plan for model_type "
+                             f"{getattr(config, 'model_type', None)!r}; serve it at --tp-size 1")  # fmt: skip
+        tp = DistributedConfig(tp_size=tp_size, tp_plan="auto")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, distributed_config=tp)
+        served = None
+    elif fmt is None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
         served = None
     else:  # transformers' FP8 loader needs a GPU: build the model and load the checkpoint through the mapping
@@ -162,8 +180,11 @@ def build_mask(starts: list[int], q_len: int, kv_len: int, dtype: torch.dtype) -
 class ModelRunner:
     """Runs forward passes of one HF causal LM over a SlotKVCache."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(
+        self, model: torch.nn.Module, mirror: Callable[[list[int], list[int], torch.Tensor], None] | None = None
+    ) -> None:
         self.model = model
+        self.mirror = mirror  # at --tp-size > 1: hands the forward to the other ranks first (embedded/tp.py)
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = int(model.config.vocab_size)
         params = inspect.signature(model.forward).parameters
@@ -173,7 +194,9 @@ class ModelRunner:
     def forward(self, cache, slots: list[int], starts: list[int], input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [B, q] (row b continues slot slots[b] at position starts[b]) -> last logits [B, V] fp32."""
         b, q = input_ids.shape
-        kv_len = cache.begin(slots, starts, q)
+        kv_len = cache.begin(slots, starts, q)  # a sequence past the context is refused here, before any rank runs
+        if self.mirror is not None:
+            self.mirror(slots, starts, input_ids)
         position_ids = torch.arange(q).view(1, -1) + torch.tensor(starts, dtype=torch.long).view(-1, 1)
         out = self.model(
             input_ids=input_ids,

@@ -29,11 +29,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+import torch.distributed as dist
+
 from megatron_sao.distributed import flat_bucket
 from megatron_sao.engines import protocol as P
 from megatron_sao.engines.embedded.generate import GenerateHandler
+from megatron_sao.engines.embedded.kv_cache import SlotKVCache
 from megatron_sao.engines.embedded.scheduler import Scheduler
-from megatron_sao.engines.embedded.weights import WeightUpdateError, WeightUpdater
+from megatron_sao.engines.embedded.tp import Follower, Peers, TPLayout, refusals
+from megatron_sao.engines.embedded.weights import ReceivedUpdate, WeightUpdateError, WeightUpdater
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +53,14 @@ class EngineState:
     """Everything the HTTP handlers need: the scheduler, the weight updater and static model facts."""
 
     def __init__(
-        self, scheduler: Scheduler, updater: WeightUpdater, generate: GenerateHandler, model_info: dict
-    ) -> None:
+        self, scheduler: Scheduler, updater: WeightUpdater, generate: GenerateHandler, model_info: dict,
+        tp_size: int = 1,
+    ) -> None:  # fmt: skip
         self.scheduler = scheduler
         self.updater = updater
         self.generate = generate
         self.model_info = model_info
+        self.tp_size = tp_size
 
     # Each route returns (status, JSON-able body or str).
     def route(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
@@ -120,12 +126,21 @@ class EngineState:
             **self.model_info,
             "engine": P.EMBEDDED_ENGINE,
             "version": self.protocol.version,
-            "tp_size": 1,
+            "tp_size": self.tp_size,
             "dp_size": 1,
             "load": self.scheduler.load(),
             "weight_update_groups": {k: dict(v, names=list(v["names"])) for k, v in self.updater.traffic.items()},
             "weight_update_order": list(self.updater.order[-ORDER_SHOWN:]),
+            "tp_ranks": self._rank_traffic() if self.tp_size > 1 else [],
         }
+
+    def _rank_traffic(self) -> list[dict[str, Any]]:
+        """What every TP rank's update groups carried (tensors, bytes), rank 0 first."""
+        mine = {"tp_rank": 0, "weight_update_groups": traffic_summary(self.updater)}
+        peers = self.updater.peers
+        assert peers is not None
+        replies = self.scheduler.at_boundary(lambda: peers.call("step", "traffic"))
+        return [mine, *({"tp_rank": r.rank, "weight_update_groups": r.value} for r in replies)]
 
     def _check_weights(self, body: dict[str, Any]) -> tuple[int, Any]:
         """SGLang's /weights_checker answer for action=checksum (one rank; the other actions are not served)."""
@@ -133,14 +148,25 @@ class EngineState:
         if action != "checksum":
             return 400, {"success": False, "message": f"Unsupported action={action!r} (the embedded engine serves "
                                                       "'checksum')"}  # fmt: skip
-        skip = body.get("skip_tensor_list") or []
-        checksums = self.scheduler.at_boundary(lambda: self.updater.checksums([str(x) for x in skip]))
-        per_gpu = flat_bucket.overall_checksum(checksums)
-        info = {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
-                "rank": 0, "size": 1}  # fmt: skip
-        rank = {"checksums": checksums, "per_gpu_checksum": per_gpu, "parallelism_info": [info]}
-        engine = hashlib.sha256(per_gpu.encode()).hexdigest()
-        return 200, {"success": True, "message": "Success.", "ranks": [rank], "per_engine_checksum": engine}
+        skip = [str(x) for x in body.get("skip_tensor_list") or []]
+
+        def every_rank() -> list[dict[str, str]]:
+            mine = self.updater.checksums(skip)
+            if self.updater.peers is None:
+                return [mine]
+            replies = self.updater.peers.call("step", "checksums", skip=skip)
+            if (refused := refusals(replies)) is not None:
+                raise RuntimeError(refused)
+            return [mine, *(r.value for r in replies)]
+
+        ranks = []
+        for tp_rank, checksums in enumerate(self.scheduler.at_boundary(every_rank)):
+            info = {"role": "target", "tp_rank": tp_rank, "tp_size": self.tp_size, "dp_rank": 0, "dp_size": 1,
+                    "pp_rank": 0, "pp_size": 1, "rank": tp_rank, "size": self.tp_size}  # fmt: skip
+            per_gpu = flat_bucket.overall_checksum(checksums)
+            ranks.append({"checksums": checksums, "per_gpu_checksum": per_gpu, "parallelism_info": [info]})
+        engine = hashlib.sha256("".join(r["per_gpu_checksum"] for r in ranks).encode()).hexdigest()
+        return 200, {"success": True, "message": "Success.", "ranks": ranks, "per_engine_checksum": engine}
 
     def _weights(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         try:
@@ -307,16 +333,29 @@ def build_state(
     weight_version: str = P.DEFAULT_WEIGHT_VERSION,
     sglang_version: str = EMULATED_SGLANG,
     session_timeout_s: float = 300.0,
+    tp_store: Any = None,
+    tp_layout: TPLayout | None = None,
 ) -> EngineState:
-    """Load the model (and tokenizer unless skipped or absent) and start the scheduler thread."""
+    """Load the model (and tokenizer unless skipped or absent) and start the scheduler thread. At --tp-size > 1 this
+    is rank 0 (embedded/tp.py): the ranks joined `tp_store`; the model is sharded over them, and once every rank has
+    loaded its shard, rank 0 opens its channels to the others."""
     from megatron_sao.engines.embedded.model_runner import ModelRunner, eos_token_ids, load_engine_model
 
-    model, fp8 = load_engine_model(model_dir, dtype)
+    tp_size = 1 if tp_layout is None else tp_layout.tp_size
+    model, fp8 = load_engine_model(model_dir, dtype, tp_size)
+    peers = Peers(tp_store, tp_layout) if tp_layout is not None and tp_size > 1 else None
     ctx = context_length or int(getattr(model.config, "max_position_embeddings", 4096))
     tokenizer = None if skip_tokenizer_init else _maybe_tokenizer(model_dir)
-    updater = WeightUpdater(model, P.ServerProtocol(sglang_version, embedded=True), session_timeout_s, fp8=fp8)
+    protocol = P.ServerProtocol(sglang_version, embedded=True)
+    updater = WeightUpdater(model, protocol, session_timeout_s, fp8=fp8, peers=peers)
+    mirror = None
+    if peers is not None:
+
+        def mirror(slots: list[int], starts: list[int], ids: Any) -> None:
+            peers.send("step", "forward", slots=slots, starts=starts, input_ids=ids)
+
     scheduler = Scheduler(
-        ModelRunner(model),
+        ModelRunner(model, mirror),
         updater,
         max_running=max_running,
         context_len=ctx,
@@ -334,7 +373,8 @@ def build_state(
         "skip_tokenizer_init": tokenizer is None,
     }
     scheduler.start()
-    state = EngineState(scheduler, updater, GenerateHandler(scheduler, tokenizer, model.config.vocab_size), info)
+    generate = GenerateHandler(scheduler, tokenizer, model.config.vocab_size)
+    state = EngineState(scheduler, updater, generate, info, tp_size)
     updater.on_orphaned = state.orphaned
     threading.Thread(target=state.watch_sessions, name="engine-session-watch", daemon=True).start()
     return state
@@ -359,3 +399,80 @@ def serve(state: EngineState, host: str, port: int) -> None:
     finally:
         server.server_close()
         state.scheduler.stop()
+
+
+def traffic_summary(updater: WeightUpdater) -> dict[str, dict[str, int]]:
+    """What each of a rank's update groups carried: tensors and bytes."""
+    return {k: {"tensors": v["tensors"], "bytes": v["bytes"]} for k, v in updater.traffic.items()}
+
+
+def serve_follower(
+    store: Any,
+    tp_rank: int,
+    model_dir: str,
+    *,
+    dtype: str,
+    max_running: int,
+    context_length: int | None,
+    sglang_version: str,
+) -> None:
+    """A TP rank other than 0 (embedded/tp.py): its shard of the model, its own KV cache of its heads and its own
+    weight updater, driven by rank 0's commands; never returns (ends with rank 0)."""
+    from megatron_sao.engines.embedded.model_runner import ModelRunner, load_engine_model
+
+    model, _ = load_engine_model(model_dir, dtype, dist.get_world_size())
+    ctx = context_length or int(getattr(model.config, "max_position_embeddings", 4096))
+    runner, cache = ModelRunner(model), SlotKVCache(max_running, ctx)
+    updater = WeightUpdater(model, P.ServerProtocol(sglang_version, embedded=True), float("inf"), tp_rank=tp_rank)
+    pending: list[ReceivedUpdate] = []  # what the next commit applies: a session's staging, or a live update
+
+    def forward(slots: list[int], starts: list[int], input_ids: Any) -> None:
+        runner.forward(cache, slots, starts, input_ids)
+
+    def apply() -> str:
+        while pending:
+            update = pending.pop(0)
+            updater.apply(update)
+            updater.recycle(update.buffers)
+        return "applied"
+
+    def drop_pending() -> str:
+        while pending:
+            updater.recycle(pending.pop(0).buffers)
+        return "dropped"
+
+    def init_group(rank_offset: int, **kwargs: Any) -> str:  # SGLang: every rank joins as rank_offset + tp_rank
+        return updater.init_group(rank_offset=rank_offset + tp_rank, **kwargs)
+
+    def end() -> str:
+        update, msg = updater.end()
+        if update is not None:
+            pending.append(update)
+        return msg
+
+    def receive(**kwargs: Any) -> str:
+        update = updater.receive(**kwargs)
+        if not updater.protocol.session:
+            pending.append(update)
+        return f"received {len(update.tensors)} tensors"
+
+    handlers = {
+        "step": {
+            "forward": forward,
+            "apply": apply,
+            "checksums": lambda skip: updater.checksums(skip),
+            "held": lambda key, lo, hi: updater.held(key, lo, hi),
+            "traffic": lambda: traffic_summary(updater),
+        },
+        "weights": {
+            "init_group": init_group,
+            "destroy_group": updater.destroy_group,
+            "begin": updater.begin,
+            "end": end,
+            "receive": receive,
+            "drop_pending": drop_pending,
+            "discard": updater.discard,
+        },
+    }
+    log.info("engine TP rank %d serving rank 0's commands", tp_rank)
+    Follower(store, tp_rank, handlers).run()

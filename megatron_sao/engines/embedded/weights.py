@@ -27,6 +27,10 @@ Protocol (SGLang's; the rules of the SGLang release in `ServerProtocol`, engines
   sees no update for `--weight-session-timeout` seconds, the push is discarded and the engine resumes generating
   on its intact previous weights. (A real SGLang server stays paused: its weights may be partially updated.)
 - Without a session (emulating SGLang < 0.5.21) each update is applied on arrival, as SGLang does.
+- At --tp-size > 1 (embedded/tp.py) rank 0's updater mirrors every weight-control request onto the other ranks inside
+  its model-update lock (one order on every rank), each rank receives the full tensors into its own staging and keeps
+  the elements it holds at the commit; a refusal on any rank refuses the request, and a push refused anywhere is
+  dropped everywhere (`drop_pending`).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from megatron_sao.models.mapping import Target, on_disk_names, resolve_in_memory
 
 if TYPE_CHECKING:
     from megatron_sao.engines.embedded.model_runner import Fp8Weights
+    from megatron_sao.engines.embedded.tp import LocalShards, Peers
 
 log = logging.getLogger(__name__)
 
@@ -105,10 +110,18 @@ class WeightUpdater:
     the engine, whose weights are intact, may resume serving them (server.py does)."""
 
     def __init__(self, model: torch.nn.Module, protocol: ServerProtocol, session_timeout_s: float = GROUP_TIMEOUT_S,
-                 on_orphaned: Callable[[str], None] | None = None, fp8: Fp8Weights | None = None) -> None:  # fmt: skip
+                 on_orphaned: Callable[[str], None] | None = None, fp8: Fp8Weights | None = None,
+                 peers: Peers | None = None, tp_rank: int = 0) -> None:  # fmt: skip
+        from megatron_sao.engines.embedded.tp import LocalShards
+
         self.session_timeout_s = session_timeout_s
         self.on_orphaned = on_orphaned or (lambda reason: None)
         self.tensors: dict[str, torch.Tensor] = dict(model.state_dict())  # share storage with the model
+        # tensor parallelism: the parameters split over the ranks stand here as meta tensors of their global shape
+        # (what updates are checked against); their elements are written and read through `shards`
+        self.shards: LocalShards = LocalShards(self.tensors)
+        self.tensors.update({k: self.shards.meta(k) for k in self.shards.params})
+        self.peers, self.tp_rank = peers, tp_rank
         # a block-FP8 checkpoint: its FP8 weights and scales (HF names) are what this engine holds and receives
         self.fp8 = fp8
         if fp8 is not None:
@@ -131,20 +144,45 @@ class WeightUpdater:
     ) -> str:
         """Join update group `group_name` as rank `rank_offset` (blocks until every rank has joined)."""
         with self.serial:
-            return self._init_group(master_address, master_port, rank_offset, world_size, group_name, backend)
+            args = dict(master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+                        world_size=world_size, group_name=group_name, backend=backend)  # fmt: skip
+            return self._mirrored("init_group", args, lambda: self._init_group(**args))
 
     def destroy_group(self, group_name: str) -> str:
         with self.serial:
-            return self._destroy_group(group_name)
+            return self._mirrored("destroy_group", {"group_name": group_name}, lambda: self._destroy_group(group_name))
 
     def begin(self) -> str:
         with self.serial:
-            return self._begin()
+            return self._mirrored("begin", {}, self._begin)
 
     def end(self) -> tuple[ReceivedUpdate | None, str]:
         """Close the session: the update to commit (None: nothing to commit, or discarded) and a message."""
         with self.serial:
-            return self._end()
+            return self._mirrored("end", {}, self._end)
+
+    def _mirrored(self, command: str, kwargs: dict[str, Any], local: Callable[[], Any]) -> Any:
+        """Run a weight-control request here and, at --tp-size > 1, on every other rank at the same time (the caller
+        holds the model-update lock, so all ranks see one order). Refused on any rank: refused, and what the other
+        ranks received for the push is dropped with it."""
+        if self.peers is None:
+            return local()
+        from megatron_sao.engines.embedded.tp import refusals
+
+        self.peers.send("weights", command, **kwargs)
+        try:
+            out = local()
+        except Exception:
+            self.peers.collect("weights")
+            self.peers.call("weights", "drop_pending")
+            raise
+        refused = refusals(self.peers.collect("weights"))
+        if refused is None:
+            return out
+        if command == "end" and out[0] is not None:
+            self.recycle(out[0].buffers)
+        self.peers.call("weights", "drop_pending")
+        raise WeightUpdateError(refused)
 
     # ---- process groups -----------------------------------------------------------------------------------------
     def _init_group(
@@ -228,9 +266,18 @@ class WeightUpdater:
             idle = session is not None and time.monotonic() - session.last_activity >= self.session_timeout_s
             if session is None or session.receiving or not idle:
                 return False  # a session receiving an update is not idle: its trainer is sending
-            self._discard_session(f"no update for {self.session_timeout_s:.0f}s: the trainer that began it is gone")
+            why = f"no update for {self.session_timeout_s:.0f}s: the trainer that began it is gone"
+            self._discard_session(why)
+        if self.peers is not None:
+            with self.serial:
+                self.peers.call("weights", "discard", why=why)
         self.on_orphaned("the weight-update session sat idle past its timeout")
         return True
+
+    def discard(self, why: str) -> None:
+        """Drop the open session, if any (another rank's updater told to, at --tp-size > 1)."""
+        with self._lock:
+            self._discard_session(why)
 
     def _discard_session(self, why: str) -> None:
         """Drop an open session and its staging (caller holds the lock)."""
@@ -266,7 +313,9 @@ class WeightUpdater:
             )
         try:
             with self.serial:
-                return self._receive(session, names, dtypes, shapes, group_name, weight_version, load_format)
+                args = dict(names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
+                            weight_version=weight_version, load_format=load_format)  # fmt: skip
+                return self._mirrored("receive", args, lambda: self._receive(session, **args))
         except WeightUpdateError as e:
             if session is not None:
                 self._fail(session, str(e))
@@ -429,7 +478,28 @@ class WeightUpdater:
             target = resolve_in_memory(name, self.tensors)
         except KeyError:
             raise WeightUpdateError(f"{name}: no such weight in the model (HF on-disk names)") from None
-        return target.view(self.tensors)[:truncate_size].float().tolist()
+        view = target.view(self.tensors)
+        if target.key not in self.shards:
+            return view[:truncate_size].float().tolist()
+        rows = view[:truncate_size]  # a meta view: the rows' span, then every rank's elements of it
+        lo, _ = self.shards.span(target.key, target.view)
+        span = (lo, lo + rows.numel())
+        out = torch.empty(rows.numel(), dtype=rows.dtype)
+        pieces = [self.held(target.key, *span)]
+        if self.peers is not None:
+            from megatron_sao.engines.embedded.tp import refusals
+
+            replies = self.peers.call("step", "held", key=target.key, lo=span[0], hi=span[1])
+            if (refused := refusals(replies)) is not None:
+                raise WeightUpdateError(refused)
+            pieces += [r.value for r in replies]
+        for idx, values in pieces:
+            out[idx] = values
+        return out.view(rows.shape).float().tolist()
+
+    def held(self, key: str, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's elements of [lo, hi) of split parameter `key`: (their flat index - lo, their values)."""
+        return self.shards.held(key, lo, hi)
 
     def checksums(self, skip: list[str] | None = None) -> dict[str, str]:
         """SGLang's per-tensor checksums (flat_bucket.tensor_checksum) of every weight under its HF on-disk name,
@@ -439,13 +509,29 @@ class WeightUpdater:
         for name in on_disk_names(self.tensors):
             if any(pattern in name for pattern in skip or ()):
                 continue
-            out[name] = flat_bucket.tensor_checksum(resolve_in_memory(name, self.tensors).view(self.tensors))
+            target = resolve_in_memory(name, self.tensors)
+            if target.key in self.shards:  # what this rank holds of it, in its own order (SGLang hashes its shard)
+                held = self.shards.held(target.key, *self.shards.span(target.key, target.view))[1]
+                out[name] = flat_bucket.tensor_checksum(held)
+            else:
+                out[name] = flat_bucket.tensor_checksum(target.view(self.tensors))
         return out
 
     def apply(self, update: ReceivedUpdate) -> None:
         """Copy a validated update into the model (called by the scheduler between forward passes)."""
+        split: dict[str, list[tuple[tuple[int, int], torch.Tensor]]] = {}
         with torch.no_grad():
             for target, tensor in zip(update.targets, update.tensors):
-                target.view(self.tensors).copy_(tensor)
+                if target.key in self.shards:
+                    split.setdefault(target.key, []).append((self.shards.span(target.key, target.view), tensor))
+                else:
+                    target.view(self.tensors).copy_(tensor)
+        for key, parts in split.items():
+            self.shards.write(key, parts)
         if self.fp8 is not None:  # the forward runs on the FP8 weights' dequantization
             self.fp8.refresh({t.key for t in update.targets})
+        if self.peers is not None:  # the other ranks commit theirs at this same token boundary
+            from megatron_sao.engines.embedded.tp import fatal, refusals
+
+            if (refused := refusals(self.peers.call("step", "apply"))) is not None:
+                fatal(f"a committed push failed to apply on another rank, the ranks' weights now differ: {refused}")
