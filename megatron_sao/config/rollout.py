@@ -88,6 +88,24 @@ class EmbeddedEngineConfig(Section):
     context_length: int | None = Field(default=None, gt=0)
     """Longest sequence per request; None uses the model's max_position_embeddings."""
 
+    tp: int = Field(default=1, ge=1)
+    """--tp-size: processes one engine runs on, its model split over them by transformers' tensor-parallel plan
+    (gloo), as an SGLang engine over tp GPUs; each joins the weight-update groups (docs/rollout.md)."""
+
+    nnodes: int = Field(default=1, ge=1)
+    """--nnodes: nodes one engine spans (tp / nnodes processes on each), placed by the Slurm launcher like
+    rollout.sglang.nnodes; node-rank 0 serves HTTP."""
+
+    dist_init_port: int = Field(default=31000, ge=1024, le=65535)
+    """Engine i spanning nodes: its ranks meet at node-rank 0's dist_init_port + i (--dist-init-addr)."""
+
+    @model_validator(mode="after")
+    def _check_nodes(self) -> EmbeddedEngineConfig:
+        if self.tp % self.nnodes:
+            raise ValueError(f"rollout.embedded.nnodes={self.nnodes} does not divide rollout.embedded.tp={self.tp}: an "
+                             "engine spans its nodes evenly")  # fmt: skip
+        return self
+
 
 class EnvConfig(Section):
     name: str = "arithmetic"
@@ -121,6 +139,14 @@ class RolloutConfig(Section):
 
     sglang: SGLangServerConfig = Field(default_factory=SGLangServerConfig)
     embedded: EmbeddedEngineConfig = Field(default_factory=EmbeddedEngineConfig)
+
+    @property
+    def engine_nnodes(self) -> tuple[int, str]:
+        """(nodes one engine spans, the field that says so) for the engine kind in use."""
+        if self.engine == "sglang":
+            return self.sglang.nnodes, "rollout.sglang.nnodes"
+        return self.embedded.nnodes, "rollout.embedded.nnodes"
+
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
 

@@ -57,9 +57,16 @@ def sglang_command(
 
 
 def embedded_command(
-    rollout: RolloutConfig, model_path: str, index: int, host: str, python: str = sys.executable
+    rollout: RolloutConfig,
+    model_path: str,
+    index: int,
+    host: str,
+    python: str = sys.executable,
+    node_rank: int = 0,
+    dist_init_host: str | None = None,
 ) -> list[str]:
-    """The launch command of embedded CPU engine `index` (port base_port + index), bound to `host`."""
+    """The launch command of embedded CPU engine `index` (port base_port + index), bound to `host`; for an engine
+    spanning nodes (rollout.embedded.nnodes), its part on node `node_rank` meeting the others at `dist_init_host`."""
     em = rollout.embedded
     cmd = [python, "-m", "megatron_sao", "engine", "--model", model_path]
     cmd += ["--host", host, "--port", str(rollout.base_port + index)]
@@ -69,6 +76,14 @@ def embedded_command(
         cmd += ["--threads", str(em.threads)]
     if em.context_length:
         cmd += ["--context-length", str(em.context_length)]
+    if em.tp > 1:
+        cmd += ["--tp-size", str(em.tp)]
+    if em.nnodes > 1:
+        if dist_init_host is None:
+            raise ValueError(f"rollout.embedded.nnodes={em.nnodes}: an engine spanning nodes needs its node-rank 0's "
+                             "address (--dist-init-addr); the Slurm launcher places such engines")  # fmt: skip
+        cmd += ["--nnodes", str(em.nnodes), "--node-rank", str(node_rank),
+                "--dist-init-addr", f"{dist_init_host}:{em.dist_init_port + index}"]  # fmt: skip
     return cmd
 
 
@@ -106,7 +121,7 @@ def engine_command(
     if rollout.engine == "sglang":
         return sglang_command(rollout, model_path, index, host, slot * rollout.sglang.gpus_per_node, python,
                               node_rank, dist_init_host)  # fmt: skip
-    return embedded_command(rollout, model_path, index, host, python)
+    return embedded_command(rollout, model_path, index, host, python, node_rank, dist_init_host)
 
 
 def engine_commands(rollout: RolloutConfig, model_path: str, gpus_per_node: int) -> list[tuple[str, list[str]]]:

@@ -126,10 +126,10 @@ def plan(cfg: SAOConfig, nodes: list[Node]) -> NodeMap:
         raise NodeMapError(f"launch.nproc_per_node={la.nproc_per_node} learner ranks per node exceed "
                            f"launch.gpus_per_node={la.gpus_per_node}: one rank per GPU; lower launch.nproc_per_node "
                            "and raise launch.nnodes")  # fmt: skip
-    span = r.sglang.nnodes if r.engine == "sglang" else 1
+    span, span_field = r.engine_nnodes
     if span > 1 and len(engine_nodes) != r.num_engines * span:
         raise NodeMapError(
-            f"rollout.num_engines={r.num_engines} engines spanning rollout.sglang.nnodes={span} nodes "
+            f"rollout.num_engines={r.num_engines} engines spanning {span_field}={span} nodes "
             f"each need launch.rollout_nodes={r.num_engines * span}, not {len(engine_nodes)}"
         )
     groups = [tuple(engine_nodes[i : i + span]) for i in range(0, len(engine_nodes), span)]

@@ -253,7 +253,15 @@ class EngineSet:
         calls: dict[str, Callable[[], Any]] = {}
         for m in todo:
             c = self.clients[m.url]
-            if m.protocol.embedded and m.protocol.weights_checker and mode in ("auto", "checksum") and sent:
+            # an embedded engine on one rank holds every tensor whole: all of them are compared; at TP > 1 its ranks
+            # hash their own slices, as SGLang's do, so the stages' samples (replicated norms) are compared per rank
+            if (
+                m.protocol.embedded
+                and m.tp == 1
+                and m.protocol.weights_checker
+                and mode in ("auto", "checksum")
+                and sent
+            ):
                 calls[m.url] = lambda c=c: _compare_checksums(c, sent, ["lm_head.weight"] if tied else [])
             else:
                 calls[m.url] = lambda c=c, m=m: self._compare_samples(c, m, samples)

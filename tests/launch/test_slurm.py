@@ -166,3 +166,33 @@ def test_a_step_beyond_its_restart_budget_stops_the_run_after_a_checkpoint(
     assert "stop requested" in out and "stopped by SIGTERM" in out  # the learner checkpointed on the way out
     last = _steps(run_dir)[-1]["weight_version"]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"iter_{last:07d}"
+
+
+def test_an_engine_spanning_two_nodes_takes_pushes_from_a_tp2_pp2_learner(
+    cluster: dict[str, str], model: Path, tmp_path: Path
+) -> None:
+    """Issue 25 item 8 on the local cluster: the learner (TP=2 x PP=2, 4 ranks) on n1, one embedded engine at TP=2
+    over n2 and n3 (--nnodes 2 --node-rank --dist-init-addr, as an SGLang engine over two nodes), the worker beside
+    it. Every push lands on both engine ranks (verified per rank), and with only fresh trajectories trained
+    (bus.max_staleness 0) the learner's log-probs equal the engine's at every step."""
+    run_dir = tmp_path / "run"
+    (dist_port,) = _free_ports(1)
+    args = _args(model, run_dir, 3)
+    args[args.index("--launch.nproc_per_node") + 1] = "4"
+    args[args.index("--launch.rollout_nodes") + 1] = "2"
+    args[args.index("--launch.worker_nodes") + 1] = "0"  # the worker runs on the engine's first node
+    args += ["--parallel.tensor", "2", "--parallel.pipeline", "2", "--rollout.embedded.tp", "2",
+             "--rollout.embedded.nnodes", "2", "--rollout.embedded.dist_init_port", str(dist_port),
+             "--bus.max_staleness", "0"]  # fmt: skip
+    job, code, said = _submit(cluster, args, wait=True)
+    out = _output(run_dir, job)
+    assert code == 0, said + out[-4000:]
+    assert re.search(r"n2 +127\.0\.0\.1 +engine-0", out) and re.search(r"n3 +127\.0\.0\.1 +engine-0", out), out[-4000:]
+    assert "engine TP rank 1 serving rank 0's commands" in (run_dir / "logs" / "engine-0-node1.log").read_text()
+    steps = _steps(run_dir)
+    assert [r["weight_version"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        assert r["sync/version"] == r["weight_version"] and r["sync/failed"] == 0 and r["sync/engines"] == 1
+        assert r["staleness/max"] == 0
+        assert r["dis/logprob_abs_diff"] < 1e-4, r  # fp32 learner and engine on the same weights
+    assert_ledger_ok(run_dir)
