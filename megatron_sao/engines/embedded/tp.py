@@ -155,6 +155,51 @@ class LocalShards:
         return idx[sel] - lo, self.local(key).reshape(-1)[sel]
 
 
+# ---- the channels' wire format: msgpack, tensors as dtype + shape + raw bytes (nothing is unpickled) ----------
+_TENSOR = "__tensor__"
+
+
+def _pack(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        from megatron_sao.distributed import flat_bucket
+
+        t = obj.detach().contiguous()
+        return {_TENSOR: flat_bucket.dtype_name(t.dtype), "shape": list(t.shape),
+                "data": t.reshape(-1).view(torch.uint8).numpy().tobytes()}  # fmt: skip
+    if isinstance(obj, (list, tuple)):
+        return [_pack(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _pack(v) for k, v in obj.items()}
+    return obj
+
+
+def _unpack(obj: Any) -> Any:
+    if isinstance(obj, dict) and _TENSOR in obj:
+        from megatron_sao.distributed import flat_bucket
+
+        data = obj["data"]
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        return raw.view(flat_bucket.dtype_from_name(obj[_TENSOR])).view(obj["shape"])
+    if isinstance(obj, list):
+        return [_unpack(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _unpack(v) for k, v in obj.items()}
+    return obj
+
+
+def encode(obj: Any) -> bytes:
+    import msgspec
+
+    return msgspec.msgpack.encode(_pack(obj))
+
+
+def decode(data: bytes) -> Any:
+    """What encode() wrote; a malformed frame raises msgspec's DecodeError."""
+    import msgspec
+
+    return _unpack(msgspec.msgpack.decode(data))
+
+
 # ---- rank 0's side of the channels --------------------------------------------------------------------------------
 @dataclass
 class Reply:
@@ -199,21 +244,18 @@ class Peers:
                                        f"{channel} channel within {JOIN_TIMEOUT_S:.0f}s")  # fmt: skip
 
     def send(self, channel: str, command: str, **kwargs: Any) -> None:
-        import pickle
-
-        payload = pickle.dumps((command, kwargs))
+        payload = encode([command, kwargs])
         s = self._sockets[channel]
         for r in self.ranks:
             s.send_multipart([str(r).encode(), payload])
 
     def collect(self, channel: str) -> list[Reply]:
         """The answer of every rank to the last command sent on `channel` that asks for one."""
-        import pickle
-
         s, out = self._sockets[channel], {}
         while len(out) < len(self.ranks):
             ident, payload = s.recv_multipart()
-            out[int(ident)] = pickle.loads(payload)
+            rank, ok, value = decode(payload)
+            out[int(ident)] = Reply(int(rank), bool(ok), value)
         return [out[r] for r in self.ranks]
 
     def call(self, channel: str, command: str, **kwargs: Any) -> list[Reply]:
@@ -247,8 +289,6 @@ class Follower:
         beat_forever(self.store, self.rank)
 
     def _serve(self, channel: str) -> None:
-        import pickle
-
         import zmq
 
         s = zmq.Context.instance().socket(zmq.DEALER)
@@ -258,7 +298,7 @@ class Follower:
         s.send(b"hello")
         table = self.handlers[channel]
         while True:
-            command, kwargs = pickle.loads(s.recv())
+            command, kwargs = decode(s.recv())
             try:
                 reply = Reply(self.rank, True, table[command](**kwargs))
             except Exception as e:  # the answer says what failed; rank 0 decides
@@ -266,7 +306,7 @@ class Follower:
                     fatal(f"engine TP rank {self.rank}: {command} failed: {e!r}")
                 reply = Reply(self.rank, False, f"{type(e).__name__}: {e}")
             if command not in self.quiet:
-                s.send(pickle.dumps(reply))
+                s.send(encode([reply.rank, reply.ok, reply.value]))
 
 
 def fatal(why: str) -> None:
@@ -301,7 +341,7 @@ def watch_ranks(store: Any, layout: TPLayout, children: list[Any], tp_rank: int)
             for r in range(1, layout.tp_size):
                 try:
                     beat = store.get(f"beat/{r}") if store.check([f"beat/{r}"]) else b""
-                except Exception:  # our own store: never expected to fail
+                except RuntimeError:  # our own store (DistStoreError): a rank that never beat reads as not yet
                     beat = b""
                 seen, since = last.get(r, (b"", now))
                 if beat != seen or r not in last:
