@@ -47,13 +47,18 @@ def sglang_command(
     cmd += ["--weight-version", sg.weight_version, "--base-gpu-id", str(base_gpu_id)]
     if sg.skip_tokenizer_init:
         cmd.append("--skip-tokenizer-init")
-    if sg.nnodes > 1:
-        if dist_init_host is None:
-            raise ValueError(f"rollout.sglang.nnodes={sg.nnodes}: an engine spanning nodes needs its node-rank 0's "
-                             "address (--dist-init-addr); the Slurm launcher places such engines")  # fmt: skip
-        cmd += ["--nnodes", str(sg.nnodes), "--node-rank", str(node_rank),
-                "--dist-init-addr", f"{dist_init_host}:{sg.dist_init_port + index}"]  # fmt: skip
+    cmd += span_args("rollout.sglang", sg.nnodes, node_rank, dist_init_host, sg.dist_init_port + index)
     return cmd + list(sg.extra_args)
+
+
+def span_args(section: str, nnodes: int, node_rank: int, dist_init_host: str | None, port: int) -> list[str]:
+    """The flags (SGLang's, which the embedded engine shares) of one part of an engine spanning `nnodes` nodes."""
+    if nnodes == 1:
+        return []
+    if dist_init_host is None:
+        raise ValueError(f"{section}.nnodes={nnodes}: an engine spanning nodes needs its node-rank 0's address "
+                         "(--dist-init-addr); the Slurm launcher places such engines")  # fmt: skip
+    return ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--dist-init-addr", f"{dist_init_host}:{port}"]
 
 
 def embedded_command(
@@ -78,12 +83,7 @@ def embedded_command(
         cmd += ["--context-length", str(em.context_length)]
     if em.tp > 1:
         cmd += ["--tp-size", str(em.tp)]
-    if em.nnodes > 1:
-        if dist_init_host is None:
-            raise ValueError(f"rollout.embedded.nnodes={em.nnodes}: an engine spanning nodes needs its node-rank 0's "
-                             "address (--dist-init-addr); the Slurm launcher places such engines")  # fmt: skip
-        cmd += ["--nnodes", str(em.nnodes), "--node-rank", str(node_rank),
-                "--dist-init-addr", f"{dist_init_host}:{em.dist_init_port + index}"]  # fmt: skip
+    cmd += span_args("rollout.embedded", em.nnodes, node_rank, dist_init_host, em.dist_init_port + index)
     return cmd
 
 

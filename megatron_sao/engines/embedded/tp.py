@@ -322,7 +322,7 @@ def beat_forever(store: Any, tp_rank: int) -> None:
     while True:
         try:
             store.set(f"beat/{tp_rank}", str(n))
-        except Exception as e:  # the store lives in rank 0: it is gone
+        except (RuntimeError, OSError) as e:  # the store lives in rank 0: it is gone (DistStoreError)
             fatal(f"engine TP rank {tp_rank} lost rank 0 ({e!r})")
         n += 1
         time.sleep(BEAT_S)
