@@ -9,6 +9,10 @@ byte offset is not a multiple of its dtype's itemsize (ValueError before it rece
 broadcast would hang). `aligned_order` sorts a bucket so every offset is aligned: by itemsize, largest first (a
 sum of multiples of 8 is a multiple of 4, 2 and 1).
 
+Sharded buckets (`load_format="sharded_bucket"`, the embedded engine's own): one engine rank's bucket holds, in the
+request's order and the same layout rules, only the block (offset, shape) of each tensor that rank holds split, and
+every other tensor whole; `sharded` packs it from the full bucket.
+
 Checksums follow SGLang's `/weights_checker` (srt/utils/weight_checker.py, CPU path of mm_utils.tensor_hash): per
 tensor the first 8 bytes of sha256 over its raw bytes as 16 hex digits, and per GPU a sha256 over the sorted
 (name, tensor checksum) pairs.
@@ -98,3 +102,28 @@ def overall_checksum(checksums: Mapping[str, str]) -> str:
         h.update(name.encode())
         h.update(checksums[name].encode())
     return h.hexdigest()
+
+
+Box = tuple[Sequence[int], Sequence[int]]
+"""(offset, shape) of the block of a tensor one engine rank holds."""
+
+
+def block(tensor: torch.Tensor, box: Box) -> torch.Tensor:
+    """The block `box` of `tensor` (a view)."""
+    offset, shape = box
+    return tensor[tuple(slice(int(o), int(o) + int(n)) for o, n in zip(offset, shape))]
+
+
+def sharded(
+    slots: Sequence[Slot], buffer: torch.Tensor, boxes: Mapping[str, Box | None]
+) -> tuple[torch.Tensor, list[Slot]]:
+    """One engine rank's sharded bucket from the full bucket (`slots` in `buffer`): each tensor named in `boxes`
+    with a box cut to that block, every other tensor whole; (its buffer, its slots)."""
+    parts = [(s, boxes.get(s.name)) for s in slots]
+    mine = layout([s.name for s in slots], [s.dtype for s in slots],
+                  [s.shape if b is None else tuple(int(n) for n in b[1]) for s, b in parts])  # fmt: skip
+    out = torch.empty(nbytes(mine), dtype=torch.uint8)
+    for (s, b), m in zip(parts, mine):
+        full = view(buffer, s)
+        view(out, m).copy_(full if b is None else block(full, b))
+    return out, mine

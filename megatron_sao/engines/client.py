@@ -317,6 +317,11 @@ class SGLangClient:
             body["skip_tensor_list"] = list(skip_tensor_list)
         return self.request("POST", P.WEIGHTS_CHECKER, body, timeout_s=600.0, idempotent=True)
 
+    def weight_shards(self) -> dict[str, Any]:
+        """The embedded engine's /weight_shards: {"tp_size", "shards": {HF name: [[offset, shape] or null per TP
+        rank]}} for every tensor its ranks hold split (the others are whole on every rank)."""
+        return self.request("GET", P.WEIGHT_SHARDS, timeout_s=120.0)
+
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         """The first `truncate_size` rows of an engine weight (HF name) as float lists."""
         return self.request("POST", P.GET_WEIGHTS_BY_NAME, {"name": name, "truncate_size": truncate_size})

@@ -46,6 +46,11 @@ BEGIN_WEIGHT_UPDATE = "/begin_weight_update"  # 0.5.21+: opens the session updat
 END_WEIGHT_UPDATE = "/end_weight_update"  # 0.5.21+: closes it (finalizes the loaded weights)
 UPDATE_WEIGHT_VERSION = "/update_weight_version"  # {"new_version", "abort_all_requests"=True}
 WEIGHTS_CHECKER = "/weights_checker"  # 0.5.6+: {"action": "checksum", "skip_tensor_list"} -> per-rank checksums
+WEIGHT_SHARDS = "/weight_shards"  # the embedded engine's own: which block of each split tensor each TP rank holds
+SHARDED_BUCKET = "sharded_bucket"
+"""The embedded engine's own load_format of /update_weights_from_distributed (no SGLang release has one): each engine
+rank receives, point to point from the group's rank 0, one flattened bucket of only what it holds: its block of
+every tensor /weight_shards lists, every other tensor whole. SGLang's ranks each receive the full broadcast."""
 
 SAMPLING_PARAM_FIELDS = (
     "max_new_tokens",
@@ -262,6 +267,12 @@ class ServerProtocol:
     def flush_refusal_fails(self) -> bool:
         """True: a refused post-update flush fails the call; False: the server's scheduler dies on it."""
         return self.release >= FLUSH_REFUSAL_FAILS_SINCE
+
+    @property
+    def sharded_bucket(self) -> bool:
+        """Takes load_format="sharded_bucket" (each rank its own slices): the embedded engine, where flattened
+        buckets exist; a real SGLang server never (docs/weight_sync.md "Shard-aware pushes")."""
+        return self.embedded and self.flattened_bucket
 
     @property
     def staged(self) -> bool:

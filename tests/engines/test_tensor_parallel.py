@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from megatron_sao.distributed.spawn import find_free_port
 from megatron_sao.engines.client import SGLangClient
-from tests.engines.pushes import in_thread, session_push, update
+from tests.engines.pushes import in_thread, session_push, sharded_update, update
 
 PROMPT = [3, 17, 29, 5, 11, 42, 7]
 GREEDY = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
@@ -136,3 +136,45 @@ def test_a_dead_rank_ends_the_engine(start_engine: Any, tiny_dirs: dict[str, Pat
         time.sleep(0.2)
     assert two.proc.returncode == 1, "rank 0 outlived its TP peer"
     assert "exited" in two.log_path.read_text()
+
+
+def test_a_sharded_push_sends_each_rank_its_block_and_serves_what_a_full_push_serves(
+    start_engine: Any, tiny_dirs: dict[str, Path]
+) -> None:
+    """Two TP=2 engines take the same weights, one by a full-tensor broadcast, one by load_format="sharded_bucket"
+    (each rank sent only its blocks): the same weights on every rank (per-rank checksums), the same greedy tokens and
+    exactly the same log-probs; each rank received its blocks and the replicated tensors, and no more."""
+    model = tiny_dirs["qwen3_moe_notok"]
+    full, sharded = start_engine(model, "--tp-size", "2"), start_engine(model, "--tp-size", "2")
+    full.wait_healthy()
+    sharded.wait_healthy()
+    a, b = SGLangClient(full.url), SGLangClient(sharded.url)
+    table = b.weight_shards()
+    assert table["tp_size"] == 2
+    q = table["shards"]["model.layers.0.self_attn.q_proj.weight"]  # column-split: each rank half the rows
+    rows = _perturbed(model)["model.layers.0.self_attn.q_proj.weight"].shape[0]
+    assert [box[0][0] for box in q] == [0, rows // 2] and all(box[1][0] == rows // 2 for box in q), q
+    o = table["shards"]["model.layers.0.self_attn.o_proj.weight"]  # row-split: each rank half the columns
+    assert o[0][0] == [0, 0] and o[1][0][0] == 0 and o[1][0][1] == o[0][1][1], o
+    assert "model.norm.weight" not in table["shards"]  # replicated: sent whole to every rank
+    new = _perturbed(model)
+    ga = _join([a], [2], find_free_port(), name="shard-full")
+    answers = session_push([a], new, 4, ga, flattened=True, group_name="shard-full")
+    assert answers[a.url]["update"]["success"] and answers[a.url]["end"]["success"], answers
+    gb = _join([b], [2], find_free_port(), name="shard-each")
+    b.begin_weight_update()
+    answer, sent, sent_sums = sharded_update(b, new, gb, group_name="shard-each", version=4)
+    assert not isinstance(answer, Exception) and answer["success"], answer
+    assert b.end_weight_update()["success"]
+    whole = sum(t.nbytes for t in new.values())
+    ranks = b.server_info()["tp_ranks"]
+    for r, got in zip(ranks, sent):  # what each rank's update group carried is what was sent to it
+        assert r["weight_update_groups"]["shard-each"]["bytes"] == got
+    assert max(sent) <= 0.6 * whole, (sent, whole)
+    held_full = [r["checksums"] for r in a.weights_checksum()["ranks"]]
+    held_sharded = [r["checksums"] for r in b.weights_checksum()["ranks"]]
+    assert held_full == held_sharded
+    for held, mine in zip(held_sharded, sent_sums):  # each rank hashes the blocks it holds: the ones it was sent
+        assert all(held[n] == chk for n, chk in mine.items())
+    x, y = _generate(full.url), _generate(sharded.url)
+    assert x.output_ids == y.output_ids and x.logprobs == y.logprobs and y.versions == [4] * 12

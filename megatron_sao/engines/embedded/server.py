@@ -5,10 +5,11 @@ Endpoints (paths and bodies as in SGLang 0.5.23, see protocol.py and docs/rollou
 /health_generate, /model_info, /get_model_info, /get_weight_version, /server_info (/get_server_info),
 /pause_generation, /continue_generation, /flush_cache, /abort_request, /init_weights_update_group,
 /destroy_weights_update_group, /begin_weight_update, /end_weight_update, /update_weights_from_distributed,
-/update_weight_version, /get_weights_by_name, /weights_checker. Every request gets an answer: a request the engine
-cannot serve as sent (ValueError) gets HTTP 400 and any other failure of a handler HTTP 500, both with SGLang's error
-body `{"error": {"message": "<ErrorType>: ..."}}`; the weight endpoints answer 400 `{"success": false, "message"}` as
-SGLang.
+/update_weight_version, /get_weights_by_name, /weights_checker, and its own /weight_shards (which block of each
+split tensor every TP rank holds, for load_format="sharded_bucket"). Every request gets an answer: a request the
+engine cannot serve as sent (ValueError) gets HTTP 400 and any other failure of a handler HTTP 500, both with
+SGLang's error body `{"error": {"message": "<ErrorType>: ..."}}`; the weight endpoints answer 400 `{"success": false,
+"message"}` as SGLang.
 
 The engine follows the rules of one SGLang release (`--emulate-sglang`, default the newest one read; its
 `ServerProtocol`): which routes exist (sessions from 0.5.21), whether updates must run inside a session, whether a
@@ -61,6 +62,7 @@ class EngineState:
         self.generate = generate
         self.model_info = model_info
         self.tp_size = tp_size
+        self._shards: dict[str, Any] | None = None  # /weight_shards, once read
 
     # Each route returns (status, JSON-able body or str).
     def route(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
@@ -98,6 +100,8 @@ class EngineState:
                 return 400, {"error": {"message": f"Get parameter by name failed: {e}"}}
         if path == P.WEIGHTS_CHECKER and self.protocol.weights_checker and method in ("GET", "POST"):
             return self._check_weights(body)
+        if path == P.WEIGHT_SHARDS and method == "GET":
+            return 200, self.weight_shards()
         sessions = (P.BEGIN_WEIGHT_UPDATE, P.END_WEIGHT_UPDATE) if self.protocol.session else ()
         weight_paths = (P.INIT_WEIGHTS_UPDATE_GROUP, P.DESTROY_WEIGHTS_UPDATE_GROUP,
                         P.UPDATE_WEIGHTS_FROM_DISTRIBUTED, P.UPDATE_WEIGHT_VERSION, *sessions)  # fmt: skip
@@ -133,6 +137,21 @@ class EngineState:
             "weight_update_order": list(self.updater.order[-ORDER_SHOWN:]),
             "tp_ranks": self._rank_traffic() if self.tp_size > 1 else [],
         }
+
+    def weight_shards(self) -> dict[str, Any]:
+        """/weight_shards (the embedded engine's own): which block of each split tensor every TP rank holds, so a
+        trainer can send each rank only its block (load_format="sharded_bucket"). Fixed by the model: read once."""
+        if self._shards is None:
+            mine = self.updater.shard_boxes()
+            ranks = [mine]
+            if self.updater.peers is not None:
+                peers = self.updater.peers
+                replies = self.scheduler.at_boundary(lambda: peers.call("step", "boxes"))
+                if (refused := refusals(replies)) is not None:
+                    raise RuntimeError(refused)
+                ranks += [r.value for r in replies]
+            self._shards = {"tp_size": self.tp_size, "shards": {n: [r.get(n) for r in ranks] for n in mine}}
+        return self._shards
 
     def _rank_traffic(self) -> list[dict[str, Any]]:
         """What every TP rank's update groups carried (tensors, bytes), rank 0 first."""
@@ -463,6 +482,7 @@ def serve_follower(
             "checksums": lambda skip: updater.checksums(skip),
             "held": lambda key, lo, hi: updater.held(key, lo, hi),
             "traffic": lambda: traffic_summary(updater),
+            "boxes": updater.shard_boxes,
         },
         "weights": {
             "init_group": init_group,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import threading
 import time
@@ -34,6 +35,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from megatron_sao.distributed.flat_bucket import Box
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +150,37 @@ class LocalShards:
             for (lo, hi), values in parts:
                 held = (idx >= lo) & (idx < hi)
                 local[held] = values.reshape(-1).to(local.dtype)[idx[held] - lo]
+
+    def box(self, key: str, view: Callable[[dict[str, torch.Tensor]], torch.Tensor]) -> Box | None:
+        """The elements of a contiguous part of the parameter (an on-disk tensor) this rank holds, as a box in the
+        part's own coordinates: (offset, shape), when they are exactly one box and lie in this rank's piece in the
+        box's row-major order (what a trainer slicing the part sends), else None (this rank takes the part whole)."""
+        part = view({key: self.meta(key)})
+        lo, hi = self.span(key, view)
+        idx = self.index(key)
+        rel = idx[(idx >= lo) & (idx < hi)] - lo
+        if rel.numel() == 0:
+            return (0,) * part.dim(), (0,) * part.dim()
+        if rel.numel() > 1 and not bool((rel[1:] > rel[:-1]).all()):
+            return None
+        coords, rest = [], rel
+        for size in reversed(part.shape):
+            coords.append(rest % size)
+            rest = rest // size
+        coords.reverse()
+        first = tuple(int(c.min()) for c in coords)
+        shape = tuple(int(c.max()) + 1 - f for c, f in zip(coords, first))
+        return (first, shape) if math.prod(shape) == rel.numel() else None
+
+    def write_boxes(self, key: str, parts: list[tuple[tuple[int, int], torch.Tensor]]) -> None:
+        """Copy each part's block this rank holds (the part's global [lo, hi), its block's values row-major, as
+        box() describes it) into place."""
+        idx = self.index(key)
+        local = self.local(key).view(-1)
+        with torch.no_grad():
+            for (lo, hi), values in parts:
+                held = torch.nonzero((idx >= lo) & (idx < hi)).view(-1)
+                local[held] = values.reshape(-1).to(local.dtype)
 
     def held(self, key: str, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(global flat indices - lo, values) of the elements of [lo, hi) this rank holds, in its own order."""

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from megatron_sao.distributed import flat_bucket
 from megatron_sao.distributed.update_group import destroy_update_group, init_update_group
-from megatron_sao.engines.protocol import ServerProtocol
+from megatron_sao.engines.protocol import SHARDED_BUCKET, ServerProtocol
 from megatron_sao.models.mapping import Target, on_disk_names, resolve_in_memory
 
 if TYPE_CHECKING:
@@ -85,13 +85,18 @@ class ReceivedUpdate:
     tensors: list[torch.Tensor]
     weight_version: str | None
     buffers: list[torch.Tensor] = field(default_factory=list)
+    boxes: list[bool] = field(default_factory=list)  # per tensor: only this rank's block of it (sharded_bucket)
+
+    def is_box(self, i: int) -> bool:
+        return bool(self.boxes) and self.boxes[i]
 
 
 @dataclass
 class Session:
     """An open weight-update session: what it staged, which groups it received from, whether an update failed."""
 
-    staged: dict[str, tuple[Target, torch.Tensor]] = field(default_factory=dict)  # HF name -> (target, tensor)
+    staged: dict[str, tuple[Target, torch.Tensor, bool]] = field(default_factory=dict)  # HF name -> (target,
+    # tensor, whether it is only this rank's block)
     weight_version: str | None = None
     groups: set[str] = field(default_factory=set)
     failure: str | None = None
@@ -100,8 +105,9 @@ class Session:
     receiving: int = 0  # updates announced to this session whose bytes are still arriving
 
     def commit(self) -> ReceivedUpdate:
-        targets = [t for t, _ in self.staged.values()]
-        return ReceivedUpdate(targets, [x for _, x in self.staged.values()], self.weight_version, self.buffers)
+        staged = list(self.staged.values())
+        return ReceivedUpdate([t for t, _, _ in staged], [x for _, x, _ in staged], self.weight_version, self.buffers,
+                              [b for _, _, b in staged])  # fmt: skip
 
 
 class WeightUpdater:
@@ -120,6 +126,7 @@ class WeightUpdater:
         # tensor parallelism: the parameters split over the ranks stand here as meta tensors of their global shape
         # (what updates are checked against); their elements are written and read through `shards`
         self.shards: LocalShards = LocalShards(self.tensors)
+        self._boxes: dict[str, flat_bucket.Box | None] = {}  # on-disk name -> this rank's block of it (box_of)
         self.tensors.update({k: self.shards.meta(k) for k in self.shards.params})
         self.peers, self.tp_rank = peers, tp_rank
         # a block-FP8 checkpoint: its FP8 weights and scales (HF names) are what this engine holds and receives
@@ -335,12 +342,12 @@ class WeightUpdater:
         weight_version: str | None,
         load_format: str | None,
     ) -> ReceivedUpdate:
-        if load_format not in (None, "auto", FLATTENED_BUCKET):
-            raise WeightUpdateError(f"load_format={load_format!r}: use null (one tensor per broadcast) or "
-                                    f"{FLATTENED_BUCKET!r}")  # fmt: skip
-        if load_format == FLATTENED_BUCKET and not self.protocol.flattened_bucket:
+        if load_format not in (None, "auto", FLATTENED_BUCKET, SHARDED_BUCKET):
+            raise WeightUpdateError(f"load_format={load_format!r}: use null (one tensor per broadcast), "
+                                    f"{FLATTENED_BUCKET!r} or {SHARDED_BUCKET!r}")  # fmt: skip
+        if load_format in (FLATTENED_BUCKET, SHARDED_BUCKET) and not self.protocol.flattened_bucket:
             raise WeightUpdateError(
-                f"load_format={FLATTENED_BUCKET!r} needs SGLang >= 0.5.6 (this engine follows {self.protocol.version})"
+                f"load_format={load_format!r} needs SGLang >= 0.5.6 (this engine follows {self.protocol.version})"
             )
         with self._lock:
             group = self.groups.get(group_name)
@@ -351,12 +358,6 @@ class WeightUpdater:
         parsed = [parse_dtype(d) for d in dtypes]  # an unknown dtype cannot even be drained: fail before receiving
         if not len(names) == len(parsed) == len(shapes):
             raise WeightUpdateError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(parsed)}/{len(shapes)}")
-        slots = None
-        if load_format == FLATTENED_BUCKET:
-            try:
-                slots = flat_bucket.layout(names, parsed, shapes)
-            except ValueError as e:
-                raise WeightUpdateError(f"Failed to receive weights: {e}") from None
         problems: list[str] = []
         targets: list[Target] = []
         for name, dtype, shape in zip(names, parsed, shapes):
@@ -364,11 +365,20 @@ class WeightUpdater:
             if problem:
                 problems.append(problem)
             targets.append(target)
+        # sharded_bucket: this rank's block of every tensor it holds split (as /weight_shards told the trainer)
+        boxes = [load_format == SHARDED_BUCKET and self.box_of(n) is not None for n in names]
+        received_shapes = [list(self.box_of(n)[1]) if b else s for n, s, b in zip(names, shapes, boxes)]  # type: ignore[index]
+        slots = None
+        if load_format in (FLATTENED_BUCKET, SHARDED_BUCKET):
+            try:
+                slots = flat_bucket.layout(names, parsed, received_shapes)
+            except ValueError as e:
+                raise WeightUpdateError(f"Failed to receive weights: {e}") from None
         with self._lock:
             self._traffic(group_name)["receiving"] += 1
             self.order.append(group_name)
         try:
-            received, buffers = self._broadcasts(group, parsed, shapes, slots)
+            received, buffers = self._broadcasts(group, parsed, shapes, slots, p2p=load_format == SHARDED_BUCKET)
         except RuntimeError as e:  # the trainer died or timed out mid-broadcast
             reason = f"receiving over {group_name!r} failed: {e}"
             if session is not None:
@@ -383,18 +393,22 @@ class WeightUpdater:
             self.recycle(buffers)
             shown = "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
             raise WeightUpdateError(f"update rejected, model unchanged: {shown}")
-        update = ReceivedUpdate(targets, received, weight_version, buffers)
+        update = ReceivedUpdate(targets, received, weight_version, buffers, boxes)
         if session is not None:
             self._stage(session, update, names, group_name)
         return update
 
     def _broadcasts(
-        self, group: Any, dtypes: list[torch.dtype], shapes: list[list[int]], slots: list[flat_bucket.Slot] | None
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(received tensors, the buffers they live in)."""
+        self, group: Any, dtypes: list[torch.dtype], shapes: list[list[int]], slots: list[flat_bucket.Slot] | None,
+        p2p: bool = False,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
+        """(received tensors, the buffers they live in). `p2p`: this rank's own bucket, sent to it alone."""
         if slots is not None:
             buffer = self._buffer(flat_bucket.nbytes(slots))
-            dist.broadcast(buffer, src=0, group=group)
+            if p2p:
+                dist.recv(buffer, src=0, group=group)
+            else:
+                dist.broadcast(buffer, src=0, group=group)
             return [flat_bucket.view(buffer, s) for s in slots], [buffer]
         out, buffers = [], []
         for dtype, shape in zip(dtypes, shapes):
@@ -444,8 +458,8 @@ class WeightUpdater:
             session.groups.add(group_name)
             session.last_activity = time.monotonic()
             session.buffers.extend(update.buffers)
-            for name, target, tensor in zip(names, update.targets, update.tensors):
-                session.staged[name] = (target, tensor)
+            for i, (name, target, tensor) in enumerate(zip(names, update.targets, update.tensors)):
+                session.staged[name] = (target, tensor, update.is_box(i))
             if update.weight_version is not None:
                 session.weight_version = update.weight_version
 
@@ -497,6 +511,31 @@ class WeightUpdater:
             out[idx] = values
         return out.view(rows.shape).float().tolist()
 
+    def box_of(self, name: str) -> flat_bucket.Box | None:
+        """This rank's block (offset, shape) of on-disk tensor `name` when it holds it split and as one block; None
+        when it holds it whole (replicated, or a split it cannot take as one block)."""
+        if name not in self._boxes:
+            box = None
+            try:
+                target = resolve_in_memory(name, self.tensors)
+            except KeyError:
+                target = None
+            if target is not None and target.key in self.shards:
+                box = self.shards.box(target.key, target.view)
+            self._boxes[name] = box
+        return self._boxes[name]
+
+    def shard_boxes(self) -> dict[str, list[list[int]] | None]:
+        """{on-disk name: [offset, shape] of this rank's block, or None (it takes the tensor whole)} for every tensor
+        this rank holds split (a shard-aware trainer slices what it sends this rank by it)."""
+        out: dict[str, list[list[int]] | None] = {}
+        for name in on_disk_names(self.tensors):
+            target = resolve_in_memory(name, self.tensors)
+            if target.key in self.shards:
+                box = self.box_of(name)
+                out[name] = None if box is None else [list(box[0]), list(box[1])]
+        return out
+
     def held(self, key: str, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's elements of [lo, hi) of split parameter `key`: (their flat index - lo, their values)."""
         return self.shards.held(key, lo, hi)
@@ -520,14 +559,18 @@ class WeightUpdater:
     def apply(self, update: ReceivedUpdate) -> None:
         """Copy a validated update into the model (called by the scheduler between forward passes)."""
         split: dict[str, list[tuple[tuple[int, int], torch.Tensor]]] = {}
+        boxes: dict[str, list[tuple[tuple[int, int], torch.Tensor]]] = {}
         with torch.no_grad():
-            for target, tensor in zip(update.targets, update.tensors):
+            for i, (target, tensor) in enumerate(zip(update.targets, update.tensors)):
                 if target.key in self.shards:
-                    split.setdefault(target.key, []).append((self.shards.span(target.key, target.view), tensor))
+                    part = (self.shards.span(target.key, target.view), tensor)
+                    (boxes if update.is_box(i) else split).setdefault(target.key, []).append(part)
                 else:
                     target.view(self.tensors).copy_(tensor)
         for key, parts in split.items():
             self.shards.write(key, parts)
+        for key, parts in boxes.items():  # already this rank's blocks
+            self.shards.write_boxes(key, parts)
         if self.fp8 is not None:  # the forward runs on the FP8 weights' dequantization
             self.fp8.refresh({t.key for t in update.targets})
         if self.peers is not None:  # the other ranks commit theirs at this same token boundary
