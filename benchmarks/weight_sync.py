@@ -12,7 +12,17 @@ Prints the medians, `overhead ratio X` (push / raw at PP=1, packed path; target 
 of the push, and per rank the push's extra memory: the MemoryMeter peak (every buffer the push allocated) against the
 plan's bound (2 buckets + the largest tensor), and the process's RSS high-water growth during one push.
 
+Then (`--part tp2`, or all) the shard-aware path into engines at TP=2: two TP=2 embedded engines, each kept decoding
+by a stream of requests, take the same pushes interleaved -- whole tensors to one (weight_sync.transfer full), each
+rank only its blocks to the other (transfer auto: sharded) -- both with pause_mode none (the push is staged while
+the engine decodes, and switched at one token boundary). Prints `bytes per engine rank shard-aware/full X` (the
+largest rank's bytes, from the learner's per-rank accounting, which the tests check against the engine's traffic),
+the push times, tokens decoded during each push, and `engine stall / push X`: 1 - (tokens per second decoded during
+the shard-aware pushes) / (tokens per second in an equally long idle window just before), medians over the repeats.
+On one CPU machine the learner's packing shares the cores with the engines, which counts as stall here too.
+
     python benchmarks/weight_sync.py [--hidden 512 --layers 8 --experts 8 --vocab 16384 --bucket-mb 32 --repeats 5]
+                                     [--part all|pp|tp2]
 """
 
 from __future__ import annotations
@@ -163,6 +173,135 @@ def _receiver(ports: dict[str, int], stages: int, rounds: int, sizes: str) -> No
         torch.distributed.destroy_process_group(g)
 
 
+def _decoding(url: str, stop: threading.Event) -> threading.Thread:
+    """Keep an engine decoding: one greedy request after another until `stop`."""
+    from megatron_sao.engines.client import SGLangClient
+
+    def run() -> None:
+        client = SGLangClient(url, timeout_s=600)
+        while not stop.is_set():
+            with contextlib.suppress(Exception):
+                client.generate([3, 17, 29, 5, 11], {"max_new_tokens": 64, "temperature": 0.0, "ignore_eos": True})
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _tokens(url: str) -> int:
+    from megatron_sao.engines.client import SGLangClient
+
+    return int(SGLangClient(url).server_info()["load"]["generated_tokens"])
+
+
+def _tp2_rank(hf_dir: str, urls: dict[str, str], port: int, args: dict[str, Any]) -> dict[str, Any]:
+    """One learner rank: interleaved full and shard-aware pushes into two decoding TP=2 engines."""
+    import torch.distributed as dist
+
+    from megatron_sao.config import load_config
+    from megatron_sao.distributed import init_distributed
+    from megatron_sao.learner.learner import Learner
+    from megatron_sao.weight_sync import WeightSync, hf_dtype_of
+
+    torch.set_num_threads(1)
+    cfg = load_config(None, [
+        "--model.hf_path", hf_dir, "--model.dtype", "fp32", "--launch.nproc_per_node", "1",
+        "--weight_sync.bucket_mb", str(args["bucket_mb"]), "--weight_sync.verify", "none",
+        "--weight_sync.pause_mode", "none",
+    ])  # fmt: skip
+    init_distributed(cfg.parallel, seed=0)
+    learner = Learner(cfg, roles={"policy"})
+    learner.load_hf(hf_dir)
+    dtype_of = hf_dtype_of(learner.hf_source, torch.float32)
+    syncs = {}
+    for i, (key, transfer) in enumerate((("full", "full"), ("sharded", "auto"))):
+        ws = cfg.weight_sync.model_copy(update={"transfer": transfer, "master_port": port + 50 * i,
+                                                "group_name": f"bench_{key}"})  # fmt: skip
+        syncs[key] = WeightSync(learner.policy.model, learner.spec, dtype_of, ws, [urls[key]])
+    stop = threading.Event()
+    streams = [_decoding(u, stop) for u in urls.values()]
+    time.sleep(2.0)
+    out: dict[str, list[float]] = {f"{k}_{m}": [] for k in syncs for m in ("s", "tokens", "idle_rate", "rank_mb")}
+    for rep in range(args["repeats"] + 1):  # the first round forms the groups and is dropped
+        version = rep + 1
+        for key, sync in syncs.items():
+            url = urls[key]
+            window = statistics.median(out[f"{key}_s"]) if out[f"{key}_s"] else 1.0
+            t0, n0 = time.monotonic(), _tokens(url)
+            time.sleep(window)
+            idle_rate = (_tokens(url) - n0) / (time.monotonic() - t0)
+            n0, t0 = _tokens(url), time.monotonic()
+            metrics = sync.push(version)
+            seconds, tokens = time.monotonic() - t0, _tokens(url) - n0
+            if metrics.get("sync/failed"):
+                raise SystemExit(f"{key} push failed: {metrics}")
+            if rep:
+                out[f"{key}_s"].append(seconds)
+                out[f"{key}_tokens"].append(tokens)
+                out[f"{key}_idle_rate"].append(idle_rate)
+                out[f"{key}_rank_mb"].append(metrics["sync/engine_rank_mb_max"])
+    stop.set()
+    for t in streams:
+        t.join(120)
+    for sync in syncs.values():
+        sync.close()
+    dist.barrier()
+    return out
+
+
+def _start_engine(hf_dir: str, work: Path, name: str, *extra: str) -> tuple[subprocess.Popen, str]:
+    port = find_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    log = open(work / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the engine
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_sao", "engine", "--model", hf_dir, "--port", str(port),
+                             "--threads", "1", *extra], stdout=log, stderr=subprocess.STDOUT, env=env)  # fmt: skip
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
+    from megatron_sao.engines.client import SGLangClient
+
+    client, deadline = SGLangClient(url), time.monotonic() + 300
+    while not client.health(timeout_s=1.0):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"engine did not start: {log.read_text()[-2000:]}")
+        time.sleep(0.3)
+
+
+def find_port() -> int:
+    from megatron_sao.distributed.spawn import find_free_port
+
+    return find_free_port()
+
+
+def shard_aware(hf_dir: str, work: Path, args: argparse.Namespace, results: dict[str, Any]) -> None:
+    from megatron_sao.distributed import spawn_ranks
+
+    engines = {k: _start_engine(hf_dir, work, f"tp2_{k}", "--tp-size", "2") for k in ("full", "sharded")}
+    try:
+        for k, (proc, url) in engines.items():
+            _wait_healthy(proc, url, work / f"tp2_{k}.log")
+        urls = {k: url for k, (_, url) in engines.items()}
+        opts = {"bucket_mb": args.bucket_mb, "repeats": args.repeats}
+        (out,) = spawn_ranks(_tp2_rank, 1, hf_dir, urls, find_port(), opts, timeout_s=3000)
+    finally:
+        for proc, _ in engines.values():
+            proc.kill()
+            proc.wait()
+    results["tp2"] = out
+    med = {k: statistics.median(v) for k, v in out.items()}
+    print(f"TP=2 engines, pause_mode none, {args.repeats} repeats (medians):")
+    for key in ("full", "sharded"):
+        rate = med[f"{key}_tokens"] / med[f"{key}_s"]
+        print(f"  {key:8s} push {med[f'{key}_s']:.3f} s (runs {', '.join(f'{x:.3f}' for x in out[f'{key}_s'])}); "
+              f"largest engine rank received {med[f'{key}_rank_mb']:.1f} MB; {med[f'{key}_tokens']:.0f} tokens "
+              f"decoded during the push ({rate:.1f}/s vs {med[f'{key}_idle_rate']:.1f}/s idle)")  # fmt: skip
+    stalls = [max(0.0, 1 - (n / s) / idle) for n, s, idle in
+              zip(out["sharded_tokens"], out["sharded_s"], out["sharded_idle_rate"])]  # fmt: skip
+    print(f"bytes per engine rank shard-aware/full {med['sharded_rank_mb'] / med['full_rank_mb']:.2f}")
+    print(f"engine stall / push {statistics.median(stalls):.2f} (runs {', '.join(f'{x:.2f}' for x in stalls)})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", default="qwen3_moe")
@@ -174,6 +313,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--per-tensor", action="store_true", help="also time the per-tensor protocol (SGLang < 0.5.6)")
     p.add_argument("--json", default=None, help="write the results here too")
+    p.add_argument(
+        "--part",
+        choices=("all", "pp", "tp2"),
+        default="all",
+        help="pp: the push vs raw broadcast at PP=1/2; tp2: shard-aware vs full into TP=2 engines",
+    )
     args = p.parse_args()
 
     from megatron_sao.distributed import spawn_ranks
@@ -192,6 +337,13 @@ def main() -> None:
                                "--threads", "1"], stdout=log, stderr=subprocess.STDOUT, env=env)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     results: dict[str, Any] = {"model_mb": size_mb, "bucket_mb": args.bucket_mb, "repeats": args.repeats}
+    if args.part == "tp2":
+        engine.kill()
+        engine.wait()
+        shard_aware(hf_dir, work, args, results)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+        return
     try:
         client = SGLangClient(url)
         deadline = time.monotonic() + 300
@@ -235,6 +387,8 @@ def main() -> None:
     finally:
         engine.kill()
         engine.wait()
+    if args.part == "all":
+        shard_aware(hf_dir, work, args, results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
 

@@ -37,6 +37,12 @@ class WeightSyncConfig(Section):
     """auto: each bucket as one flat buffer and one broadcast when every engine understands it (SGLang >= 0.5.6),
     else one broadcast per tensor; flattened_bucket: refuse engines that do not; per_tensor: always per tensor."""
 
+    transfer: Literal["auto", "full", "sharded"] = "auto"
+    """What each engine rank receives. full: every tensor whole, one broadcast to all ranks (what SGLang's ranks
+    take); sharded: point to point, only its block of each tensor it holds split plus the replicated ones whole
+    (load_format "sharded_bucket": the embedded engine, whose /weight_shards says the blocks); auto: sharded when
+    every engine takes it and one runs at TP > 1, else full (docs/weight_sync.md, "Shard-aware pushes")."""
+
     flush_cache: bool = True
     """Flush the engines' prefix cache after a push. Asked only with pause_mode abort or retract: with in_place the
     paused requests keep their KV, and SGLang refuses a flush then (0.5.22+ fails the update, older servers die)."""
@@ -74,6 +80,11 @@ class WeightSyncConfig(Section):
                 f"({self.bucket_timeout_s:g}) + {GROUP_TIMEOUT_MARGIN_S:g}: a failed bucket is detected at "
                 "bucket_timeout_s and its group aborted then, before the collective timeout would end the learner; "
                 "raise group_timeout_s or lower bucket_timeout_s"
+            )
+        if self.transfer == "sharded" and self.load_format == "per_tensor":
+            raise ValueError(
+                "weight_sync.transfer='sharded' sends each engine rank one flattened bucket of its blocks, but "
+                "weight_sync.load_format='per_tensor' asks for one broadcast per tensor; set one of them to 'auto'"
             )
         return self
 

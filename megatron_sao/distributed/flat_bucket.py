@@ -109,9 +109,16 @@ Box = tuple[Sequence[int], Sequence[int]]
 
 
 def block(tensor: torch.Tensor, box: Box) -> torch.Tensor:
-    """The block `box` of `tensor` (a view)."""
+    """The block `box` of `tensor` (a view); ValueError when the box does not lie inside the tensor (a slice would
+    silently come out smaller, and a receiver expecting the box's size would wait for bytes that never come)."""
     offset, shape = box
-    return tensor[tuple(slice(int(o), int(o) + int(n)) for o, n in zip(offset, shape))]
+    if len(offset) != tensor.dim() or len(shape) != tensor.dim():
+        raise ValueError(f"block {list(offset)}+{list(shape)} of a {tensor.dim()}-D tensor {list(tensor.shape)}")
+    out = tensor[tuple(slice(int(o), int(o) + int(n)) for o, n in zip(offset, shape))]
+    if list(out.shape) != [int(n) for n in shape] or any(int(o) < 0 for o in offset):
+        raise ValueError(f"block {list(offset)}+{list(shape)} does not lie inside a tensor of shape "
+                         f"{list(tensor.shape)}")  # fmt: skip
+    return out
 
 
 def sharded(

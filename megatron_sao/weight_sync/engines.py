@@ -29,9 +29,10 @@ import torch
 
 from megatron_sao.config.weight_sync import WeightSyncConfig
 from megatron_sao.engines.client import EngineError, SGLangClient
-from megatron_sao.engines.protocol import ServerProtocol
+from megatron_sao.engines.protocol import SHARDED_BUCKET, ServerProtocol
 from megatron_sao.weight_sync.sender import (
     FLATTENED,
+    Boxes,
     GroupSpec,
     Member,
     StageSender,
@@ -66,6 +67,9 @@ class StageReport:
     checksums: dict[str, str] = field(default_factory=dict)  # HF name -> SGLang checksum of what was sent
     samples: dict[str, list] = field(default_factory=dict)  # HF name -> its first rows as sent (floats)
     sample_checksums: dict[str, str] = field(default_factory=dict)  # the same tensors' checksums as sent
+    rank_bytes: dict[str, list[int]] = field(default_factory=dict)  # url -> bytes sent to each of its ranks
+    rank_checksums: dict[str, list[dict[str, str]]] = field(default_factory=dict)  # shard-aware: url -> per rank
+    # {HF name: checksum of what that rank was sent}, for the tensors it hashes as sent
 
 
 class EngineSet:
@@ -112,14 +116,23 @@ class EngineSet:
         if self._same(healthy):
             assert self.spec is not None
             return self.spec, False
-        members, offset, refused = [], 1, {}
+        described, refused = [], {}
         for url in healthy:
             try:
-                proto, tp = self._describe(url)
+                described.append((url, *self._describe(url)))
             except (WeightSyncError, EngineError, OSError) as e:
                 refused[url] = e
-                continue
-            members.append(Member(url, proto, tp, offset))
+        load_format = self._load_format([Member(u, p, tp, 0) for u, p, tp in described])
+        members, offset = [], 1
+        for url, proto, tp in described:
+            shards = None
+            if load_format == SHARDED_BUCKET and tp > 1:
+                try:
+                    shards = self._shards(url, tp)
+                except (WeightSyncError, EngineError, OSError) as e:
+                    refused[url] = e
+                    continue
+            members.append(Member(url, proto, tp, offset, shards))
             offset += tp
         for url, e in refused.items():
             log.error("weight sync: engine %s left out of the push: %s", url, e)
@@ -128,7 +141,7 @@ class EngineSet:
         spec = GroupSpec(
             members=tuple(members), attempt=self.attempt, num_stages=self.num_stages, group_name=self.cfg.group_name,
             master_port=self.cfg.master_port, master_addr=self.cfg.master_addr, backend=self.backend,
-            load_format=self._load_format(members), connect_timeout_s=self.cfg.connect_timeout_s,
+            load_format=load_format, connect_timeout_s=self.cfg.connect_timeout_s,
             bucket_timeout_s=self.cfg.bucket_timeout_s, group_timeout_s=self.cfg.group_timeout_s,
         )  # fmt: skip
         self.attempt += 1
@@ -163,12 +176,36 @@ class EngineSet:
         return proto, int(info["tp_size"])
 
     def _load_format(self, members: list[Member]) -> str | None:
+        """How buckets travel this push: sharded_bucket (weight_sync.transfer), flattened_bucket, or one tensor per
+        broadcast (None)."""
         everyone = all(m.protocol.flattened_bucket for m in members)
         if self.cfg.load_format == "flattened_bucket" and not everyone:
             old = [f"{m.url} ({m.protocol.version})" for m in members if not m.protocol.flattened_bucket]
             raise ValueError(f"weight_sync.load_format='flattened_bucket' but {old} predate it (SGLang 0.5.6); set "
                              "weight_sync.load_format to 'auto'")  # fmt: skip
+        sharded = all(m.protocol.sharded_bucket for m in members)
+        if self.cfg.transfer == "sharded" and not sharded:
+            full = [f"{m.url} ({m.protocol.version})" for m in members if not m.protocol.sharded_bucket]
+            raise ValueError(f"weight_sync.transfer='sharded' but {full} take only full tensors (no SGLang release "
+                             "receives per-rank blocks; docs/weight_sync.md 'Shard-aware pushes'); set "
+                             "weight_sync.transfer to 'auto' or 'full'")  # fmt: skip
+        if self.cfg.transfer == "sharded" or (self.cfg.transfer == "auto" and sharded and
+                                              any(m.tp > 1 for m in members)):  # fmt: skip
+            return SHARDED_BUCKET
         return FLATTENED if self.cfg.load_format != "per_tensor" and everyone else None
+
+    def _shards(self, url: str, tp: int) -> Boxes:
+        """An engine's /weight_shards, checked against its TP size; WeightSyncError naming what does not fit."""
+        answer = self.clients[url].weight_shards()
+        if int(answer.get("tp_size", -1)) != tp or not isinstance(answer.get("shards"), dict):
+            raise WeightSyncError(f"engine {url}: /weight_shards answered for tp_size {answer.get('tp_size')!r}, "
+                                  f"its /server_info says {tp}")  # fmt: skip
+        table: dict[str, tuple[Any, ...]] = {}
+        for name, boxes in answer["shards"].items():
+            if not isinstance(boxes, list) or len(boxes) != tp:
+                raise WeightSyncError(f"engine {url}: /weight_shards lists {name} for {len(boxes)} ranks, not {tp}")
+            table[name] = tuple(None if b is None else (tuple(b[0]), tuple(b[1])) for b in boxes)
+        return table
 
     # ---- the session around a push ------------------------------------------------------------------------------
     def open(self, spec: GroupSpec) -> str | None:
@@ -255,7 +292,11 @@ class EngineSet:
             c = self.clients[m.url]
             # an embedded engine on one rank holds every tensor whole: all of them are compared; at TP > 1 its ranks
             # hash their own slices, as SGLang's do, so the stages' samples (replicated norms) are compared per rank
-            if (
+            per_rank = [{k: v for r in reports for k, v in r.rank_checksums.get(m.url, [{}] * m.tp)[i].items()}
+                        for i in range(m.tp)]  # fmt: skip
+            if m.shards is not None and m.protocol.weights_checker and mode in ("auto", "checksum") and any(per_rank):
+                calls[m.url] = lambda c=c, p=per_rank: _compare_rank_checksums(c, p)
+            elif (
                 m.protocol.embedded
                 and m.tp == 1
                 and m.protocol.weights_checker
@@ -334,6 +375,19 @@ def _compare_checksums(client: SGLangClient, sent: dict[str, str], skip: list[st
     if wrong:
         more = ", ..." if len(wrong) > 4 else ""
         return f"{len(wrong)} tensors differ from what was sent ({', '.join(wrong[:4])}{more})"
+    return None
+
+
+def _compare_rank_checksums(client: SGLangClient, sent: list[dict[str, str]]) -> str | None:
+    """A shard-aware push: every engine rank holds exactly the blocks (and whole tensors) it was sent."""
+    ranks = client.weights_checksum([]).get("ranks", [])
+    if len(ranks) != len(sent):
+        return f"/weights_checker shows {len(ranks)} ranks, {len(sent)} were sent to"
+    for i, (held, mine) in enumerate(zip((r.get("checksums", {}) for r in ranks), sent)):
+        wrong = sorted(n for n, chk in mine.items() if held.get(n) != chk)
+        if wrong:
+            more = ", ..." if len(wrong) > 4 else ""
+            return f"rank {i}: {len(wrong)} tensors differ from what was sent ({', '.join(wrong[:4])}{more})"
     return None
 
 

@@ -170,11 +170,13 @@ class TransferPlan:
         ]
         return max(sizes, default=0)
 
-    def memory_bound(self) -> int:
+    def memory_bound(self, rank_buffers: int = 0) -> int:
         """Extra bytes a rank may hold during a push: about two buckets (the one in flight to the engines and the
-        one being gathered) plus the largest single tensor (assembled from its pieces)."""
+        one being gathered) plus the largest single tensor (assembled from its pieces). A shard-aware push adds,
+        per bucket in flight, its `rank_buffers` engine-rank buffers (one per distinct set of blocks), each at most
+        the bucket."""
         biggest = max((max(b.received_bytes, b.send_bytes) for s in self.stages for b in s.buckets), default=0)
-        return 2 * max(self.bucket_bytes, biggest) + self.largest_tensor_bytes
+        return 2 * max(self.bucket_bytes, biggest) * (1 + rank_buffers) + self.largest_tensor_bytes
 
 
 def build_plan(

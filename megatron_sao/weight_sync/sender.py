@@ -6,7 +6,9 @@ tp_i - 1, as SGLang numbers them), hosted at this source's address (`source_addr
 (`<group_name>_pp<stage>_a<attempt>`), so all stages send at once and no tensor leaves its stage except to the
 engines. A bucket travels as ONE broadcast of its flat buffer when every member speaks `load_format=
 "flattened_bucket"` (SGLang >= 0.5.6), else one broadcast per tensor (older SGLang), in the order the request
-lists them.
+lists them. A shard-aware push (`load_format="sharded_bucket"`, weight_sync.transfer) sends instead each engine rank,
+point to point, one buffer of only its blocks (`flat_bucket.sharded`, by the engine's /weight_shards table): engine
+ranks with the same blocks share one buffer, and an engine at TP=t receives about 1/t of a full push per rank.
 
 One order on every engine: an SGLang engine runs one weight update at a time (its tokenizer manager holds the
 model-update lock, or the pause condition, until the scheduler's single thread has received and loaded it), in the
@@ -30,7 +32,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
@@ -46,7 +48,7 @@ from megatron_sao.distributed.update_group import (
     init_update_group,
 )
 from megatron_sao.engines.client import SGLangClient
-from megatron_sao.engines.protocol import ServerProtocol
+from megatron_sao.engines.protocol import SHARDED_BUCKET, ServerProtocol
 from megatron_sao.weight_sync.plan import Bucket
 
 log = logging.getLogger(__name__)
@@ -58,14 +60,33 @@ class WeightSyncError(RuntimeError):
     """A push or connect that did not reach every engine; the message names the engine and what it said."""
 
 
+Boxes = Mapping[str, tuple[flat_bucket.Box | None, ...]]
+"""An engine's /weight_shards table: HF name -> per TP rank, the block (offset, shape) it holds, or None (whole)."""
+
+
 @dataclass(frozen=True)
 class Member:
-    """An engine in the update groups: its URL, its protocol, and the ranks it occupies in every stage's group."""
+    """An engine in the update groups: its URL, its protocol, the ranks it occupies in every stage's group, and
+    for a shard-aware push the block of each split tensor every one of its ranks holds."""
 
     url: str
     protocol: ServerProtocol
     tp: int
     offset: int
+    shards: Boxes | None = field(default=None, compare=False, hash=False)
+
+    def boxes(self, rank: int, names: set[str]) -> dict[str, flat_bucket.Box]:
+        """The blocks TP rank `rank` takes of the tensors `names` (every other one travels whole)."""
+        table = self.shards or {}
+        return {n: b[rank] for n, b in table.items() if n in names and b[rank] is not None}
+
+    def compared(self, rank: int, name: str) -> bool:
+        """Whether rank `rank` hashes `name` as it was sent (a replicated tensor or one block): so it is verified."""
+        boxes = (self.shards or {}).get(name)
+        if boxes is None:
+            return True
+        box = boxes[rank]
+        return box is not None and all(int(n) > 0 for n in box[1])
 
 
 @dataclass(frozen=True)
@@ -263,6 +284,10 @@ class StageSender:
         self.broken = False
         self.stats = {"buckets": 0, "tensors": 0, "bytes": 0}
         self.order: PushOrder | None = None  # this push's order across stages (set by sync.py per push)
+        # a shard-aware push: bytes sent to each engine rank, and (when verified) the checksums of what each got
+        self.meter: Any = None  # the push's gather.MemoryMeter: the engine ranks' buffers count (set by sync.py)
+        self.rank_checksums: dict[str, list[dict[str, str]]] | None = None  # url -> per rank {HF name: checksum}
+        self.rank_bytes: dict[str, list[int]] = {m.url: [0] * m.tp for m in spec.members}
 
     @property
     def group_name(self) -> str:
@@ -321,15 +346,56 @@ class StageSender:
         threads = [threading.Thread(target=_call, args=(box, k, fn), daemon=True) for k, fn in calls.items()]
         for t in threads:
             t.start()
-        tensors = [buffer] if fmt == FLATTENED else [flat_bucket.view(buffer, s) for s in bucket.slots]
-        works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]
+        held: list[torch.Tensor] = []
+        if fmt == SHARDED_BUCKET:
+            # one point-to-point send per engine rank (each a pair of ranks on NCCL, as the rank's recv is)
+            sends = self._rank_buffers(bucket, buffer)
+            held = list({id(t): t for _, t in sends}.values())
+            works = [_Waited([dist.isend(t, dst=rank, group=self.group) for rank, t in sends])]
+            sent = sum(t.nbytes for _, t in sends)
+        else:
+            tensors = [buffer] if fmt == FLATTENED else [flat_bucket.view(buffer, s) for s in bucket.slots]
+            works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]
+            sent = buffer.nbytes
+            for url, per_rank in self.rank_bytes.items():
+                self.rank_bytes[url] = [n + buffer.nbytes for n in per_rank]
         self.stats["buckets"] += 1
         self.stats["tensors"] += len(names)
-        self.stats["bytes"] += buffer.nbytes
-        pending = _PendingSend(self, bucket, threads, box, works, time.monotonic() + timeout)
+        self.stats["bytes"] += sent
+        pending = _PendingSend(self, bucket, threads, box, works, time.monotonic() + timeout, held)
         if self.order is not None and self.order.store is not None:
             threading.Thread(target=pending.publish_landing, args=(self.order,), daemon=True).start()
         return pending
+
+    def _rank_buffers(self, bucket: Bucket, buffer: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """(group rank, its buffer) for every engine rank: its blocks of the bucket (`flat_bucket.sharded`), one
+        buffer per distinct set of blocks. Each buffer is counted by the push's memory meter until it landed."""
+        names = {s.name for s in bucket.slots}
+        made: dict[Any, tuple[torch.Tensor, dict[str, str]]] = {}  # blocks -> (buffer, checksum of each tensor)
+        sends = []
+        for m in self.spec.members:
+            for r in range(m.tp):
+                boxes = m.boxes(r, names)
+                key = tuple(sorted((n, tuple(map(tuple, b))) for n, b in boxes.items()))
+                if key not in made:
+                    try:
+                        rank_buffer, slots = flat_bucket.sharded(bucket.slots, buffer, boxes)
+                    except ValueError as e:
+                        raise WeightSyncError(f"engine {m.url} rank {r}: its /weight_shards blocks do not fit the "
+                                              f"tensors sent ({e})") from None  # fmt: skip
+                    if self.meter is not None:
+                        self.meter.take(rank_buffer)
+                    sums = {}
+                    if self.rank_checksums is not None:
+                        sums = {s.name: flat_bucket.tensor_checksum(flat_bucket.view(rank_buffer, s)) for s in slots}
+                    made[key] = rank_buffer, sums
+                rank_buffer, sums = made[key]
+                sends.append((m.offset + r, rank_buffer))
+                self.rank_bytes[m.url][r] += rank_buffer.nbytes
+                if self.rank_checksums is not None:
+                    held = self.rank_checksums.setdefault(m.url, [{} for _ in range(m.tp)])[r]
+                    held.update({n: chk for n, chk in sums.items() if m.compared(r, n)})
+        return sends
 
     def send_marker(self, version: int, flush_cache: bool) -> dict[str, Any]:
         """The end-of-push marker (an update with no tensors that carries weight_version) to every member; it tags
@@ -357,6 +423,32 @@ class StageSender:
                 log.warning("weight sync: destroying update group %s: %r", self.group_name, e)
 
 
+class _Waited:
+    """Point-to-point works behind one handle that can be polled: gloo's send works only learn they completed
+    inside wait(), so a thread waits on them (is_completed / wait as a broadcast's work)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        threading.Thread(target=self._wait, args=(works,), daemon=True).start()
+
+    def _wait(self, works: list[Any]) -> None:
+        try:
+            for w in works:
+                w.wait()
+        except BaseException as e:  # raised by wait() on the source's thread
+            self._error = e
+        self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise RuntimeError(f"a point-to-point send failed: {self._error}") from self._error
+
+
 def _call(box: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:
     try:
         box[key] = fn()
@@ -372,7 +464,14 @@ class _PendingSend:
     answers: dict[str, Any]
     works: list[Any]
     deadline: float
+    buffers: list[torch.Tensor] = field(default_factory=list)  # what the works send from, until they landed
     grace_s: float = field(default=5.0)
+
+    def release(self) -> None:
+        """The works no longer read their buffers: give them back to the push's memory meter."""
+        buffers, self.buffers = self.buffers, []
+        if buffers and self.sender.meter is not None:
+            self.sender.meter.give(*buffers)
 
     def publish_landing(self, order: PushOrder) -> None:
         """(Its own thread.) Publish "landed" to the push order the moment the broadcast completed, so the next
@@ -414,6 +513,8 @@ class _PendingSend:
             now = time.monotonic()
             if failed and refused_at is None:
                 refused_at = now
+            if landed:
+                self.release()
             if landed and not failed and (answered or not answers):
                 return
             grace_over = refused_at is not None and (now - refused_at > self.grace_s or (answered and landed))

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from megatron_sao.config.weight_sync import WeightSyncConfig
 from megatron_sao.distributed import flat_bucket
 from megatron_sao.distributed.bootstrap import current_context
+from megatron_sao.engines.protocol import SHARDED_BUCKET
 from megatron_sao.models.builder import ModelSpec
 from megatron_sao.models.fp8 import Fp8Format
 from megatron_sao.models.weights import weight_mapping
@@ -52,6 +53,16 @@ def stage_samples(stage_names: list[str], configured: list[str]) -> list[str]:
     mine = [n for n in configured if n in stage_names]
     norm = next((n for n in stage_names if n.endswith("norm.weight") and n not in mine), None)
     return mine + ([norm] if norm is not None else [])
+
+
+def engine_rank_bytes(reports: list[StageReport]) -> list[int]:
+    """What each engine rank received in one push, over all stages (a full push: every bucket, on every rank)."""
+    total: dict[tuple[str, int], int] = {}
+    for r in reports:
+        for url, per_rank in r.rank_bytes.items():
+            for i, n in enumerate(per_rank):
+                total[(url, i)] = total.get((url, i), 0) + n
+    return list(total.values())
 
 
 def resolve_backend(backend: str) -> str:
@@ -201,6 +212,10 @@ class WeightSync:
 
         sender = self.sender
         if sender is not None:
+            sender.meter = self.gather.meter
+            sharded = spec.load_format == SHARDED_BUCKET
+            sender.rank_checksums = {} if checksums and sharded else None
+            sender.rank_bytes = {m.url: [0] * m.tp for m in spec.members}
             if self.order is not None:
                 self.order.cleanup()
             counts = [len(st.buckets) for st in self.plan.stages]
@@ -226,6 +241,7 @@ class WeightSync:
         if sender is not None:
             report.touched, report.broken = sorted(sender.touched), sender.broken
             report.buckets, report.tensors, report.bytes = (sender.stats[k] for k in ("buckets", "tensors", "bytes"))
+            report.rank_bytes, report.rank_checksums = sender.rank_bytes, sender.rank_checksums or {}
             sender.touched.clear()
             sender.stats = dict.fromkeys(sender.stats, 0)
         return report
@@ -257,6 +273,8 @@ class WeightSync:
             "sync/order_wait_max": max(r.order_wait_s for r in reports),
             "sync/peak_mb": max(r.peak_bytes for r in reports) / 2**20,
             "sync/flattened": float(spec.load_format is not None),
+            "sync/sharded": float(spec.load_format == SHARDED_BUCKET),
+            "sync/engine_rank_mb_max": max(engine_rank_bytes(reports), default=0) / 2**20,
             "sync/failed": float(bool(bad)),
         }
 

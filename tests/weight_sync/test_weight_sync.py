@@ -132,6 +132,112 @@ def test_four_rank_learner_pushes_each_stage_to_two_engines_and_logprobs_match(
         assert 0 < r["peak"] <= r["bound"] or (r["peak"] == 0 and r is not per_rank[0]), (r["peak"], r["bound"])
 
 
+# ---- shard-aware pushes ------------------------------------------------------------------------------------------
+def _full_and_sharded(hf_dir: str, layout: dict[str, int], full_url: str, sharded_url: str, port: int
+                      ) -> dict[str, Any]:  # fmt: skip
+    """The learner's weights changed (scaled: a train step at TP2 x EP2 x PP2 fails in megatron's gloo all-gather
+    here, unrelated to the push), then pushed twice: whole tensors to one TP=2 engine, shard-aware (weight_sync.
+    transfer auto) to the other."""
+    import torch.distributed as dist
+
+    cfg, learner = _learner(hf_dir, layout, port, bucket_mb=0.05)
+    with torch.no_grad():
+        for p in learner.policy.model.parameters():
+            p.mul_(1.25)
+    out: dict[str, Any] = {}
+    for key, url, transfer, offset in (("full", full_url, "full", 0), ("sharded", sharded_url, "auto", 40)):
+        ws = type(cfg.weight_sync).model_validate(
+            {
+                **cfg.weight_sync.model_dump(),
+                "transfer": transfer,
+                "master_port": port + 100 + offset,
+                "group_name": f"ws_{key}",
+                "bucket_timeout_s": 60.0,
+                "group_timeout_s": 180.0,
+            }
+        )
+        sync = _sync(learner, cfg.model_copy(update={"weight_sync": ws}), [url])
+        metrics = sync.push(1)
+        out[key] = {"metrics": metrics, "peak": sync.peak_bytes,
+                    "bound": sync.plan.memory_bound(rank_buffers=2 if transfer == "auto" else 0),
+                    "names": sorted(n for s in sync.plan.stages for n in s.hf_names)}  # fmt: skip
+        sync.close()
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        box[0] = {}
+        for key, url in (("full", full_url), ("sharded", sharded_url)):
+            c = SGLangClient(url)
+            box[0][key] = {"gen": c.generate(PROMPT, {"max_new_tokens": 10, **GREEDY}),
+                           "ranks": c.server_info()["tp_ranks"],
+                           "checksums": [r["checksums"] for r in c.weights_checksum()["ranks"]],
+                           "shards": c.weight_shards() if key == "sharded" else None}  # fmt: skip
+    dist.broadcast_object_list(box, src=0)
+    return {**out, "engines": box[0]}
+
+
+def _expected_rank_bytes(hf_dir: str, names: list[str], table: dict[str, Any], dtype: torch.dtype) -> list[int]:
+    """What each engine rank must receive from a shard-aware push of `names`: its block of every tensor the
+    engine's /weight_shards lists, every other one whole (from the checkpoint's shapes)."""
+    import math
+
+    from safetensors import safe_open
+
+    shapes: dict[str, list[int]] = {}
+    for f in sorted(os.listdir(hf_dir)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(hf_dir, f), "pt") as st:
+                shapes.update({k: st.get_slice(k).get_shape() for k in st.keys()})  # noqa: SIM118 (safe_open is not iterable)
+    per_rank = []
+    for r in range(table["tp_size"]):
+        total = 0
+        for n in names:
+            boxes = table["shards"].get(n)
+            shape = shapes[n] if boxes is None or boxes[r] is None else boxes[r][1]
+            total += math.prod(shape) * dtype.itemsize
+        per_rank.append(total)
+    return per_rank
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    ("layout", "world"),
+    [({"tensor": 2, "pipeline": 2}, 4),
+     ({"tensor": 2, "expert": 2, "pipeline": 2}, 8)],
+    ids=["tp2pp2", "tp2ep2pp2"],
+)  # fmt: skip
+def test_a_shard_aware_push_sends_each_engine_rank_its_slice_and_serves_what_a_full_push_serves(
+    start_engine: Any, tiny_hf_dir: Any, layout: dict[str, int], world: int
+) -> None:
+    """A multi-rank learner pushes the same weights whole to one TP=2 engine and shard-aware to another: each rank
+    of the second received exactly its blocks and the replicated tensors (its update groups' traffic), at most 0.6x
+    what a rank of the first received, and both engines then hold the same weights on every rank (checksums) and
+    generate the same greedy tokens with exactly the same log-probs."""
+    hf_dir = tiny_hf_dir("qwen3_moe")
+    full, sharded = start_engine(hf_dir, "--tp-size", "2"), start_engine(hf_dir, "--tp-size", "2")
+    full.wait_healthy()
+    sharded.wait_healthy()
+    per_rank = spawn_ranks(_full_and_sharded, world, str(hf_dir), layout, full.url, sharded.url, find_free_port(),
+                           timeout_s=900)  # fmt: skip
+    out = per_rank[0]
+    for key, sharded_push in (("full", 0.0), ("sharded", 1.0)):
+        m = out[key]["metrics"]
+        assert m["sync/failed"] == 0 and m["sync/stages"] == 2 and m["sync/sharded"] == sharded_push, (key, m)
+    names = out["full"]["names"]
+    engines = out["engines"]
+    got = {k: [sum(g["bytes"] for g in r["weight_update_groups"].values()) for r in engines[k]["ranks"]]
+           for k in ("full", "sharded")}  # fmt: skip
+    whole = _expected_rank_bytes(str(hf_dir), names, {"tp_size": 2, "shards": {}}, torch.float32)
+    assert got["full"] == whole, (got, whole)
+    assert got["sharded"] == _expected_rank_bytes(str(hf_dir), names, engines["sharded"]["shards"], torch.float32)
+    assert max(got["sharded"]) <= 0.6 * whole[0], got
+    assert out["sharded"]["metrics"]["sync/engine_rank_mb_max"] == max(got["sharded"]) / 2**20
+    assert engines["full"]["checksums"] == engines["sharded"]["checksums"]
+    a, b = engines["full"]["gen"], engines["sharded"]["gen"]
+    assert a.output_ids == b.output_ids and a.logprobs == b.logprobs and b.versions == [1] * 10
+    for r in per_rank:  # the engine ranks' buffers stay within the bound of a shard-aware push
+        assert r["sharded"]["peak"] <= r["sharded"]["bound"], (r["sharded"]["peak"], r["sharded"]["bound"])
+
+
 # ---- failures: refused or cut at any bucket ---------------------------------------------------------------------
 def _weights(client: SGLangClient, names: list[str]) -> dict[str, list]:
     return {n: client.get_weights_by_name(n, truncate_size=2) for n in names}
