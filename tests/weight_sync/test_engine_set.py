@@ -12,7 +12,7 @@ from megatron_sao.config.weight_sync import WeightSyncConfig
 from megatron_sao.engines.client import SGLangClient
 from megatron_sao.engines.protocol import EMBEDDED_ENGINE, ServerProtocol
 from megatron_sao.weight_sync.engines import EngineSet
-from megatron_sao.weight_sync.sender import GroupSpec, Member
+from megatron_sao.weight_sync.sender import GroupSpec, Member, WeightSyncError
 
 URLS = ["http://127.0.0.1:9", "http://127.0.0.1:10"]
 
@@ -152,3 +152,61 @@ def test_each_stage_samples_its_first_norm_beside_the_configured_tensors() -> No
     last = ["model.layers.2.input_layernorm.weight", "model.norm.weight", "lm_head.weight"]
     assert stage_samples(first, ["model.norm.weight"]) == ["model.layers.0.input_layernorm.weight"]
     assert stage_samples(last, ["model.norm.weight"]) == ["model.norm.weight", "model.layers.2.input_layernorm.weight"]
+
+
+class ShardedEngine(FakeEngine):
+    """An engine at TP=2 that answers /health and, as the embedded engine, /weight_shards (`tp_size` as told)."""
+
+    tp = 2
+    shards_tp = 2
+
+    def health(self, timeout_s: float = 5.0) -> bool:
+        return True
+
+    def weight_version(self) -> Any:
+        return None
+
+    def server_info(self) -> dict[str, Any]:
+        return {**super().server_info(), "tp_size": self.tp}
+
+    def weight_shards(self) -> dict[str, Any]:
+        return {"tp_size": self.shards_tp, "shards": {"model.layers.0.self_attn.q_proj.weight": [
+            [[0, 0], [4, 8]], [[4, 0], [4, 8]]]}}  # fmt: skip
+
+
+def _sharded_engines(engine: str | None, **cfg: Any) -> EngineSet:
+    engines = EngineSet(WeightSyncConfig(**cfg), URLS, "gloo", 1, updates=4)
+    engines.clients = {u: ShardedEngine(u) for u in URLS}
+    for client in engines.clients.values():
+        client.engine = engine
+    return engines
+
+
+def test_the_transfer_is_shard_aware_only_where_every_engine_takes_per_rank_blocks() -> None:
+    """auto: embedded engines at TP=2 get per-rank blocks (their /weight_shards kept per member, ranks numbered
+    as before); SGLang engines full tensors; transfer='sharded' refuses SGLang naming the field; an engine whose
+    table does not match its TP size is left out, naming it."""
+    spec, reform = _sharded_engines(EMBEDDED_ENGINE).plan()
+    assert reform and spec.load_format == "sharded_bucket"
+    assert [(m.offset, m.tp) for m in spec.members] == [(1, 2), (3, 2)]
+    q = spec.members[0].shards["model.layers.0.self_attn.q_proj.weight"]
+    assert q == (((0, 0), (4, 8)), ((4, 0), (4, 8)))
+    assert spec.members[0].boxes(1, {"model.layers.0.self_attn.q_proj.weight", "model.norm.weight"}) == {
+        "model.layers.0.self_attn.q_proj.weight": ((4, 0), (4, 8))}  # fmt: skip
+    assert _sharded_engines(EMBEDDED_ENGINE, transfer="full").plan()[0].load_format == "flattened_bucket"
+    assert _sharded_engines(None).plan()[0].load_format == "flattened_bucket"  # SGLang: whole tensors
+    with pytest.raises(ValueError, match=r"weight_sync.transfer='sharded'.*take only full tensors"):
+        _sharded_engines(None, transfer="sharded").plan()
+    bad = _sharded_engines(EMBEDDED_ENGINE)
+    bad.clients[URLS[1]].shards_tp = 4
+    spec, _ = bad.plan()
+    assert [m.url for m in spec.members] == [URLS[0]]
+    bad.clients[URLS[0]].shards_tp = 4
+    bad.spec = None
+    with pytest.raises(WeightSyncError, match=r"tp_size 4.*says 2"):
+        bad.plan()
+
+
+def test_a_sharded_transfer_cannot_go_one_tensor_per_broadcast() -> None:
+    with pytest.raises(ValueError, match=r"transfer='sharded'.*load_format='per_tensor'"):
+        WeightSyncConfig(transfer="sharded", load_format="per_tensor")
