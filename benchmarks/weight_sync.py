@@ -240,6 +240,9 @@ def _tp2_rank(hf_dir: str, urls: dict[str, str], port: int, args: dict[str, Any]
                 out[f"{key}_tokens"].append(tokens)
                 out[f"{key}_idle_rate"].append(idle_rate)
                 out[f"{key}_rank_mb"].append(metrics["sync/engine_rank_mb_max"])
+                for k, v in metrics.items():
+                    if k.startswith("sync/time_"):
+                        out.setdefault(f"{key}_{k.removeprefix('sync/')}", []).append(v)
     stop.set()
     for t in streams:
         t.join(120)
@@ -296,6 +299,8 @@ def shard_aware(hf_dir: str, work: Path, args: argparse.Namespace, results: dict
         print(f"  {key:8s} push {med[f'{key}_s']:.3f} s (runs {', '.join(f'{x:.3f}' for x in out[f'{key}_s'])}); "
               f"largest engine rank received {med[f'{key}_rank_mb']:.1f} MB; {med[f'{key}_tokens']:.0f} tokens "
               f"decoded during the push ({rate:.1f}/s vs {med[f'{key}_idle_rate']:.1f}/s idle)")  # fmt: skip
+        phases = {k.removeprefix(f"{key}_time_"): v for k, v in med.items() if k.startswith(f"{key}_time_")}
+        print("    phases (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
     stalls = [max(0.0, 1 - (n / s) / idle) for n, s, idle in
               zip(out["sharded_tokens"], out["sharded_s"], out["sharded_idle_rate"])]  # fmt: skip
     print(f"bytes per engine rank shard-aware/full {med['sharded_rank_mb'] / med['full_rank_mb']:.2f}")

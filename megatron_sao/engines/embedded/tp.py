@@ -113,6 +113,9 @@ class LocalShards:
             k: v for k, v in state.items() if isinstance(v, DTensor) and not all(isinstance(p, Replicate)
                                                                                 for p in v.placements)
         }  # fmt: skip
+        # per part (key, lo, hi): where its held elements sit in this rank's piece, and in the part; computed at
+        # the first push and kept (the placement never changes), so a commit is a gather and a scatter
+        self._positions: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __contains__(self, key: str) -> bool:
         return key in self.params
@@ -142,14 +145,23 @@ class LocalShards:
         lo = part.storage_offset()
         return lo, lo + part.numel()
 
+    def positions(self, key: str, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions in this rank's flat piece, positions in the part) of the elements of part [lo, hi) this rank
+        holds, in the piece's order; cached per part (int32 where the sizes allow)."""
+        if (key, lo, hi) not in self._positions:
+            idx = self.index(key)
+            at = torch.nonzero((idx >= lo) & (idx < hi)).view(-1)
+            small = torch.int32 if max(idx.numel(), hi - lo) < 2**31 else torch.long
+            self._positions[(key, lo, hi)] = at.to(small), (idx[at] - lo).to(small)
+        return self._positions[(key, lo, hi)]
+
     def write(self, key: str, parts: list[tuple[tuple[int, int], torch.Tensor]]) -> None:
         """Copy each full part (its global [lo, hi) and its values) into the elements of it this rank holds."""
-        idx = self.index(key)
         local = self.local(key).view(-1)
         with torch.no_grad():
             for (lo, hi), values in parts:
-                held = (idx >= lo) & (idx < hi)
-                local[held] = values.reshape(-1).to(local.dtype)[idx[held] - lo]
+                at, rel = self.positions(key, lo, hi)
+                local[at.long()] = values.reshape(-1).to(local.dtype)[rel.long()]
 
     def box(self, key: str, view: Callable[[dict[str, torch.Tensor]], torch.Tensor]) -> Box | None:
         """The elements of a contiguous part of the parameter (an on-disk tensor) this rank holds, as a box in the
@@ -175,12 +187,11 @@ class LocalShards:
     def write_boxes(self, key: str, parts: list[tuple[tuple[int, int], torch.Tensor]]) -> None:
         """Copy each part's block this rank holds (the part's global [lo, hi), its block's values row-major, as
         box() describes it) into place."""
-        idx = self.index(key)
         local = self.local(key).view(-1)
         with torch.no_grad():
             for (lo, hi), values in parts:
-                held = torch.nonzero((idx >= lo) & (idx < hi)).view(-1)
-                local[held] = values.reshape(-1).to(local.dtype)
+                at, _ = self.positions(key, lo, hi)
+                local[at.long()] = values.reshape(-1).to(local.dtype)
 
     def held(self, key: str, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(global flat indices - lo, values) of the elements of [lo, hi) this rank holds, in its own order."""
