@@ -147,12 +147,11 @@ class LocalShards:
 
     def positions(self, key: str, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions in this rank's flat piece, positions in the part) of the elements of part [lo, hi) this rank
-        holds, in the piece's order; cached per part (int32 where the sizes allow)."""
+        holds, in the piece's order; cached per part (int64: what indexing takes without a conversion per commit)."""
         if (key, lo, hi) not in self._positions:
             idx = self.index(key)
             at = torch.nonzero((idx >= lo) & (idx < hi)).view(-1)
-            small = torch.int32 if max(idx.numel(), hi - lo) < 2**31 else torch.long
-            self._positions[(key, lo, hi)] = at.to(small), (idx[at] - lo).to(small)
+            self._positions[(key, lo, hi)] = at, idx[at] - lo
         return self._positions[(key, lo, hi)]
 
     def write(self, key: str, parts: list[tuple[tuple[int, int], torch.Tensor]]) -> None:
@@ -161,7 +160,7 @@ class LocalShards:
         with torch.no_grad():
             for (lo, hi), values in parts:
                 at, rel = self.positions(key, lo, hi)
-                local[at.long()] = values.reshape(-1).to(local.dtype)[rel.long()]
+                local[at] = values.reshape(-1).to(local.dtype)[rel]
 
     def box(self, key: str, view: Callable[[dict[str, torch.Tensor]], torch.Tensor]) -> Box | None:
         """The elements of a contiguous part of the parameter (an on-disk tensor) this rank holds, as a box in the
@@ -191,7 +190,7 @@ class LocalShards:
         with torch.no_grad():
             for (lo, hi), values in parts:
                 at, _ = self.positions(key, lo, hi)
-                local[at.long()] = values.reshape(-1).to(local.dtype)
+                local[at] = values.reshape(-1).to(local.dtype)
 
     def held(self, key: str, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(global flat indices - lo, values) of the elements of [lo, hi) this rank holds, in its own order."""
