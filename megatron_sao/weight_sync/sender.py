@@ -335,6 +335,9 @@ class StageSender:
         shapes = [list(s.shape) for s in bucket.slots]
         fmt = self.spec.load_format
         timeout = self.spec.bucket_timeout_s
+        # the engine ranks' buffers are cut before any engine is asked to receive: a table that does not fit the
+        # tensors fails here, with nobody left waiting for bytes
+        sends = self._rank_buffers(bucket, buffer) if fmt == SHARDED_BUCKET else []
         calls = {
             url: (lambda c=c: c.update_weights_from_distributed(
                 names, dtypes, shapes, group_name=self.group_name, flush_cache=False, load_format=fmt,
@@ -349,7 +352,6 @@ class StageSender:
         held: list[torch.Tensor] = []
         if fmt == SHARDED_BUCKET:
             # one point-to-point send per engine rank (each a pair of ranks on NCCL, as the rank's recv is)
-            sends = self._rank_buffers(bucket, buffer)
             held = list({id(t): t for _, t in sends}.values())
             works = [_Waited([dist.isend(t, dst=rank, group=self.group) for rank, t in sends])]
             sent = sum(t.nbytes for _, t in sends)
