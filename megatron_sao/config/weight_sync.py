@@ -39,7 +39,8 @@ class WeightSyncConfig(Section):
 
     transfer: Literal["auto", "full", "sharded"] = "auto"
     """What each engine rank receives. full: every tensor whole, one broadcast to all ranks (what SGLang's ranks
-    take); sharded: point to point, only its block of each tensor it holds split plus the replicated ones whole
+    take); sharded: only its block of each tensor it holds split plus the replicated ones whole, one broadcast per
+    set of ranks holding the same blocks
     (load_format "sharded_bucket": the embedded engine, whose /weight_shards says the blocks); auto: sharded when
     every engine takes it and one runs at TP > 1, else full (docs/weight_sync.md, "Shard-aware pushes")."""
 

@@ -259,9 +259,12 @@ class SGLangClient:
         return True
 
     def init_weights_update_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
-    ) -> dict[str, Any]:
-        body = {
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str,
+        block_groups: list[list[int]] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """`block_groups` (the embedded engine's sharded_bucket pushes only; SGLang has no such field): the group's
+        engine ranks partitioned by the blocks they hold, each part joining a sub-group with the trainer."""
+        body: dict[str, Any] = {
             "master_address": master_address,
             "master_port": master_port,
             "rank_offset": rank_offset,
@@ -269,6 +272,8 @@ class SGLangClient:
             "group_name": group_name,
             "backend": backend,
         }
+        if block_groups is not None:
+            body["block_groups"] = block_groups
         return self.request("POST", P.INIT_WEIGHTS_UPDATE_GROUP, body)
 
     def update_weights_from_distributed(

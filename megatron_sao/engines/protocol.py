@@ -49,8 +49,9 @@ WEIGHTS_CHECKER = "/weights_checker"  # 0.5.6+: {"action": "checksum", "skip_ten
 WEIGHT_SHARDS = "/weight_shards"  # the embedded engine's own: which block of each split tensor each TP rank holds
 SHARDED_BUCKET = "sharded_bucket"
 """The embedded engine's own load_format of /update_weights_from_distributed (no SGLang release has one): each engine
-rank receives, point to point from the group's rank 0, one flattened bucket of only what it holds: its block of
-every tensor /weight_shards lists, every other tensor whole. SGLang's ranks each receive the full broadcast."""
+rank receives from the group's rank 0, broadcast over its block group (the ranks holding the same blocks, named by
+`block_groups` at /init_weights_update_group), one flattened bucket of only what it holds: its block of every tensor
+/weight_shards lists, every other tensor whole. SGLang's ranks each receive the full broadcast."""
 
 SAMPLING_PARAM_FIELDS = (
     "max_new_tokens",

@@ -6,9 +6,11 @@ tp_i - 1, as SGLang numbers them), hosted at this source's address (`source_addr
 (`<group_name>_pp<stage>_a<attempt>`), so all stages send at once and no tensor leaves its stage except to the
 engines. A bucket travels as ONE broadcast of its flat buffer when every member speaks `load_format=
 "flattened_bucket"` (SGLang >= 0.5.6), else one broadcast per tensor (older SGLang), in the order the request
-lists them. A shard-aware push (`load_format="sharded_bucket"`, weight_sync.transfer) sends instead each engine rank,
-point to point, one buffer of only its blocks (`flat_bucket.sharded`, by the engine's /weight_shards table): engine
-ranks with the same blocks share one buffer, and an engine at TP=t receives about 1/t of a full push per rank.
+lists them. A shard-aware push (`load_format="sharded_bucket"`, weight_sync.transfer) sends instead each engine rank
+one buffer of only its blocks (`flat_bucket.sharded`, by the engine's /weight_shards table): the engine ranks that
+hold the same blocks (rank r of every engine at one TP size) form a block group with the source, and the buffer
+goes as one broadcast over it; an engine at TP=t receives about 1/t of a full push per rank, and the source sends
+each byte once per block group, about one model's bytes in all, however many engines there are.
 
 One order on every engine: an SGLang engine runs one weight update at a time (its tokenizer manager holds the
 model-update lock, or the pause condition, until the scheduler's single thread has received and loaded it), in the
@@ -80,6 +82,11 @@ class Member:
         table = self.shards or {}
         return {n: b[rank] for n, b in table.items() if n in names and b[rank] is not None}
 
+    def blocks_key(self, rank: int) -> tuple[tuple[str, Any], ...]:
+        """What TP rank `rank` holds, as a key: ranks with equal keys receive the same buffer of every bucket."""
+        table = self.shards or {}
+        return tuple(sorted((n, tuple(map(tuple, b[rank]))) for n, b in table.items() if b[rank] is not None))
+
     def compared(self, rank: int, name: str) -> bool:
         """Whether rank `rank` hashes `name` as it was sent (a replicated tensor or one block): so it is verified."""
         boxes = (self.shards or {}).get(name)
@@ -111,6 +118,19 @@ class GroupSpec:
 
     def name(self, stage: int) -> str:
         return f"{self.group_name}_pp{stage}_a{self.attempt}"
+
+    @property
+    def block_groups(self) -> list[list[int]] | None:
+        """A shard-aware push's block groups: the engine ranks (update-group ranks) partitioned by the blocks they
+        hold, in member order -- rank r of every engine at one TP size shares one part. Each part and the stage
+        source form a sub-group; a bucket goes as one broadcast per part. None for full-tensor pushes."""
+        if self.load_format != SHARDED_BUCKET:
+            return None
+        parts: dict[Any, list[int]] = {}
+        for m in self.members:
+            for r in range(m.tp):
+                parts.setdefault(m.blocks_key(r), []).append(m.offset + r)
+        return list(parts.values())
 
     def port(self, stage: int) -> int:
         return self.master_port + stage + self.num_stages * (self.attempt % 64)
@@ -277,8 +297,9 @@ class PushOrder:
 class StageSender:
     """The source of one pipeline stage: its update group and the buckets it sends."""
 
-    def __init__(self, stage: int, spec: GroupSpec, group: Any, address: str) -> None:
+    def __init__(self, stage: int, spec: GroupSpec, group: Any, address: str, blocks: list[Any] | None = None) -> None:
         self.stage, self.spec, self.group, self.address = stage, spec, group, address
+        self.blocks = blocks or []  # a shard-aware push: the sub-group of each of spec.block_groups
         self.clients = {m.url: SGLangClient(m.url, timeout_s=spec.bucket_timeout_s) for m in spec.members}
         self.touched: set[str] = set()  # engines that got an update request this push
         self.broken = False
@@ -303,27 +324,34 @@ class StageSender:
         except RuntimeError as e:
             raise WeightSyncError(f"cannot host update group {name} at {address}: {e}") from e
         clients = {m.url: SGLangClient(m.url, timeout_s=spec.connect_timeout_s + 10) for m in spec.members}
+        parts = spec.block_groups
         calls: dict[str, Callable[[], Any]] = {
             m.url: (lambda m=m: clients[m.url].init_weights_update_group(
-                address, port, m.offset, spec.world, name, spec.backend))
+                address, port, m.offset, spec.world, name, spec.backend, block_groups=parts))
             for m in spec.members
         }  # fmt: skip
-        box: dict[str, Any] = {}
+        box: dict[str, Any] = {"blocks": []}
 
         def join() -> None:
             box["group"] = init_update_group(spec.backend, address, port, spec.world, 0, name, spec.connect_timeout_s,
                                              store=store, collective_timeout_s=spec.group_timeout_s)  # fmt: skip
+            for i, ranks in enumerate(parts or []):  # each part's ranks join theirs once they joined the group
+                box["blocks"].append(init_update_group(
+                    spec.backend, address, port, len(ranks) + 1, 0, f"{name}/blocks{i}", spec.connect_timeout_s,
+                    store=store, collective_timeout_s=spec.group_timeout_s))  # fmt: skip
 
         refused = lambda key, result: key != "trainer" and bool(failures({key: result}))  # noqa: E731
         results = in_threads({**calls, "trainer": join}, spec.connect_timeout_s + 20, give_up=refused)  # fail fast
         failed = failures(results)
         if failed:
-            if "group" in box:
-                abort_update_group(box["group"])
+            for g in [*box["blocks"], box.get("group")]:
+                if g is not None:
+                    abort_update_group(g)
             raise WeightSyncError(f"could not form update group {name} at {address}:{port}: {describe(failed)}")
-        log.info("weight sync: stage %d update group %s at %s:%d with %d engines (world %d, %s)", stage, name,
-                 address, port, len(spec.members), spec.world, spec.backend)  # fmt: skip
-        return cls(stage, spec, box["group"], address)
+        blocks = f", {len(parts)} block groups" if parts else ""
+        log.info("weight sync: stage %d update group %s at %s:%d with %d engines (world %d, %s%s)", stage, name,
+                 address, port, len(spec.members), spec.world, spec.backend, blocks)  # fmt: skip
+        return cls(stage, spec, box["group"], address, box["blocks"])
 
     def start(self, bucket: Bucket, buffer: torch.Tensor) -> _PendingSend:
         """Announce `bucket` to every member, once its turn in the push order came, and broadcast its buffer
@@ -351,10 +379,12 @@ class StageSender:
             t.start()
         held: list[torch.Tensor] = []
         if fmt == SHARDED_BUCKET:
-            # one point-to-point send per engine rank (each a pair of ranks on NCCL, as the rank's recv is)
-            held = list({id(t): t for _, t in sends}.values())
-            works = [_Waited([dist.isend(t, dst=rank, group=self.group) for rank, t in sends])]
-            sent = sum(t.nbytes for _, t in sends)
+            # one broadcast per block group: the buffer its ranks share (each byte leaves this source once)
+            of_rank = dict(sends)
+            parts = self.spec.block_groups or []
+            held = [of_rank[ranks[0]] for ranks in parts]
+            works = [dist.broadcast(t, src=0, group=g, async_op=True) for t, g in zip(held, self.blocks)]
+            sent = sum(t.nbytes for t in held)
         else:
             tensors = [buffer] if fmt == FLATTENED else [flat_bucket.view(buffer, s) for s in bucket.slots]
             works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]
@@ -371,7 +401,8 @@ class StageSender:
 
     def _rank_buffers(self, bucket: Bucket, buffer: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         """(group rank, its buffer) for every engine rank: its blocks of the bucket (`flat_bucket.sharded`), one
-        buffer per distinct set of blocks. Each buffer is counted by the push's memory meter until it landed."""
+        buffer per distinct set of blocks (so one per block group, whose ranks hold the same blocks). Each buffer is
+        counted by the push's memory meter until it landed."""
         names = {s.name for s in bucket.slots}
         made: dict[Any, tuple[torch.Tensor, dict[str, str]]] = {}  # blocks -> (buffer, checksum of each tensor)
         sends = []
@@ -413,42 +444,19 @@ class StageSender:
         """Drop this side of the group (the engines are asked to drop theirs by the coordinator). A broken group is
         aborted: pending work fails instead of waiting out the group's timeout."""
         group, self.group = self.group, None
+        blocks, self.blocks = self.blocks, []
         if group is None:
             return
         if self.broken:
             log.warning("weight sync: aborting update group %s (a peer is dead or never received)", self.group_name)
-            abort_update_group(group)
-        else:
+        for g in [*blocks, group]:
+            if self.broken:
+                abort_update_group(g)
+                continue
             try:
-                destroy_update_group(group)
+                destroy_update_group(g)
             except Exception as e:  # a broken group may refuse to be destroyed; it is dropped either way
                 log.warning("weight sync: destroying update group %s: %r", self.group_name, e)
-
-
-class _Waited:
-    """Point-to-point works behind one handle that can be polled: gloo's send works only learn they completed
-    inside wait(), so a thread waits on them (is_completed / wait as a broadcast's work)."""
-
-    def __init__(self, works: list[Any]) -> None:
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-        threading.Thread(target=self._wait, args=(works,), daemon=True).start()
-
-    def _wait(self, works: list[Any]) -> None:
-        try:
-            for w in works:
-                w.wait()
-        except BaseException as e:  # raised by wait() on the source's thread
-            self._error = e
-        self._done.set()
-
-    def is_completed(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self) -> None:
-        self._done.wait()
-        if self._error is not None:
-            raise RuntimeError(f"a point-to-point send failed: {self._error}") from self._error
 
 
 def _call(box: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:

@@ -100,18 +100,18 @@ def session_push(
 
 
 def sharded_update(
-    client: SGLangClient,
+    clients: list[SGLangClient],
     tensors: Mapping[str, torch.Tensor],
-    group: Any,
+    blocks: list[Any],
     *,
     group_name: str,
     version: int | None = None,
-    rank_offset: int = 1,
-) -> tuple[Any, list[int], list[dict[str, str]]]:
-    """One /update_weights_from_distributed with load_format="sharded_bucket" to one engine: each of its TP ranks
-    is sent, point to point, only its block of every tensor its /weight_shards lists. (answer or exception, bytes
-    sent to each rank, each rank's checksums of what it was sent)."""
-    table = client.weight_shards()
+) -> tuple[dict[str, Any], list[int], list[dict[str, str]]]:
+    """One /update_weights_from_distributed with load_format="sharded_bucket" to engines of one TP size, joined with
+    block groups [[rank r of every engine] for each r] (`blocks`: those sub-groups): block group r is sent, in one
+    broadcast, only the blocks rank r holds of every tensor /weight_shards lists. ({url: answer or exception}, bytes
+    sent to rank r, rank r's checksums of what it was sent)."""
+    table = clients[0].weight_shards()
     names = flat_bucket.aligned_order(list(tensors), lambda n: tensors[n].dtype)
     slots = flat_bucket.layout(names, [tensors[n].dtype for n in names], [list(tensors[n].shape) for n in names])
     full = torch.empty(flat_bucket.nbytes(slots), dtype=torch.uint8)
@@ -122,13 +122,14 @@ def sharded_update(
         boxes = {n: b[r] for n, b in table["shards"].items() if b[r] is not None}
         per_rank.append(flat_bucket.sharded(slots, full, boxes))
     box: dict[str, Any] = {}
-    t = in_thread(box, "answer", client.update_weights_from_distributed, names,
-                  [flat_bucket.dtype_name(tensors[n].dtype) for n in names], [list(tensors[n].shape) for n in names],
-                  group_name=group_name, weight_version=version, flush_cache=False,
-                  load_format="sharded_bucket")  # fmt: skip
-    works = [torch.distributed.isend(buf, dst=rank_offset + r, group=group) for r, (buf, _) in enumerate(per_rank)]
+    threads = [in_thread(box, c.url, c.update_weights_from_distributed, names,
+                         [flat_bucket.dtype_name(tensors[n].dtype) for n in names],
+                         [list(tensors[n].shape) for n in names], group_name=group_name, weight_version=version,
+                         flush_cache=False, load_format="sharded_bucket") for c in clients]  # fmt: skip
+    works = [torch.distributed.broadcast(buf, src=0, group=g, async_op=True) for (buf, _), g in zip(per_rank, blocks)]
     for w in works:
         w.wait()
-    t.join(120)
+    for t in threads:
+        t.join(120)
     sums = [{s.name: flat_bucket.tensor_checksum(flat_bucket.view(buf, s)) for s in mine} for buf, mine in per_rank]
-    return box.get("answer"), [buf.nbytes for buf, _ in per_rank], sums
+    return box, [buf.nbytes for buf, _ in per_rank], sums

@@ -39,23 +39,27 @@ def test_tp2_generates_the_tokens_and_logprobs_of_tp1(start_engine: Any, tiny_di
     assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
 
 
-def _join(clients: list[SGLangClient], tp_sizes: list[int], port: int, name: str = "g") -> Any:
+def _join(clients: list[SGLangClient], tp_sizes: list[int], port: int, name: str = "g",
+          block_groups: list[list[int]] | None = None) -> Any:  # fmt: skip
     """The trainer side of an update group over engines of several ranks each: engine i's ranks are
-    rank_offset_i .. rank_offset_i + tp_i - 1 (SGLang's rule), this process rank 0."""
+    rank_offset_i .. rank_offset_i + tp_i - 1 (SGLang's rule), this process rank 0. With `block_groups`:
+    (the group, the sub-group of each part, joined after it as the engines join theirs)."""
     from megatron_sao.distributed.update_group import host_store, init_update_group
 
     world = 1 + sum(tp_sizes)
     store, port = host_store("127.0.0.1", port, world, 120.0)
     box: dict[str, Any] = {}
     offsets = [1 + sum(tp_sizes[:i]) for i in range(len(clients))]
-    threads = [in_thread(box, c.url, c.init_weights_update_group, "127.0.0.1", port, off, world, name, "gloo")
-               for c, off in zip(clients, offsets)]  # fmt: skip
+    threads = [in_thread(box, c.url, c.init_weights_update_group, "127.0.0.1", port, off, world, name, "gloo",
+                         block_groups=block_groups) for c, off in zip(clients, offsets)]  # fmt: skip
     group = init_update_group("gloo", "127.0.0.1", port, world, 0, name, 120.0, store=store)
+    blocks = [init_update_group("gloo", "127.0.0.1", port, len(part) + 1, 0, f"{name}/blocks{i}", 120.0, store=store)
+              for i, part in enumerate(block_groups or [])]  # fmt: skip
     for t in threads:
         t.join(120)
     for c in clients:
         assert box[c.url]["success"], box[c.url]
-    return group
+    return (group, blocks) if block_groups is not None else group
 
 
 def _perturbed(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -141,9 +145,10 @@ def test_a_dead_rank_ends_the_engine(start_engine: Any, tiny_dirs: dict[str, Pat
 def test_a_sharded_push_sends_each_rank_its_block_and_serves_what_a_full_push_serves(
     start_engine: Any, tiny_dirs: dict[str, Path]
 ) -> None:
-    """Two TP=2 engines take the same weights, one by a full-tensor broadcast, one by load_format="sharded_bucket"
-    (each rank sent only its blocks): the same weights on every rank (per-rank checksums), the same greedy tokens and
-    exactly the same log-probs; each rank received its blocks and the replicated tensors, and no more."""
+    """Two TP=2 engines: A takes new weights by a full-tensor broadcast; then both take them by
+    load_format="sharded_bucket", rank r of both engines one block group (one broadcast of only rank r's blocks). B
+    then holds what A held after the full push on every rank (per-rank checksums) and generates the same greedy
+    tokens with exactly the same log-probs; each rank received its blocks and the replicated tensors, and no more."""
     model = tiny_dirs["qwen3_moe_notok"]
     full, sharded = start_engine(model, "--tp-size", "2"), start_engine(model, "--tp-size", "2")
     full.wait_healthy()
@@ -161,20 +166,24 @@ def test_a_sharded_push_sends_each_rank_its_block_and_serves_what_a_full_push_se
     ga = _join([a], [2], find_free_port(), name="shard-full")
     answers = session_push([a], new, 4, ga, flattened=True, group_name="shard-full")
     assert answers[a.url]["update"]["success"] and answers[a.url]["end"]["success"], answers
-    gb = _join([b], [2], find_free_port(), name="shard-each")
-    b.begin_weight_update()
-    answer, sent, sent_sums = sharded_update(b, new, gb, group_name="shard-each", version=4)
-    assert not isinstance(answer, Exception) and answer["success"], answer
-    assert b.end_weight_update()["success"]
-    whole = sum(t.nbytes for t in new.values())
-    ranks = b.server_info()["tp_ranks"]
-    for r, got in zip(ranks, sent):  # what each rank's update group carried is what was sent to it
-        assert r["weight_update_groups"]["shard-each"]["bytes"] == got
-    assert max(sent) <= 0.6 * whole, (sent, whole)
     held_full = [r["checksums"] for r in a.weights_checksum()["ranks"]]
-    held_sharded = [r["checksums"] for r in b.weights_checksum()["ranks"]]
-    assert held_full == held_sharded
-    for held, mine in zip(held_sharded, sent_sums):  # each rank hashes the blocks it holds: the ones it was sent
-        assert all(held[n] == chk for n, chk in mine.items())
-    x, y = _generate(full.url), _generate(sharded.url)
-    assert x.output_ids == y.output_ids and x.logprobs == y.logprobs and y.versions == [4] * 12
+    x = _generate(full.url)
+    _, blocks = _join([a, b], [2, 2], find_free_port(), name="shard-each", block_groups=[[1, 3], [2, 4]])
+    for c in (a, b):
+        c.begin_weight_update()
+    answers, sent, sent_sums = sharded_update([a, b], new, blocks, group_name="shard-each", version=5)
+    for c in (a, b):
+        assert not isinstance(answers[c.url], Exception) and answers[c.url]["success"], answers
+        assert c.end_weight_update()["success"]
+    whole = sum(t.nbytes for t in new.values())
+    for c in (a, b):
+        for r, got in zip(c.server_info()["tp_ranks"], sent):  # each rank's group carried what its block group got
+            assert r["weight_update_groups"]["shard-each"]["bytes"] == got
+    assert max(sent) <= 0.6 * whole, (sent, whole)
+    for c in (a, b):
+        held_sharded = [r["checksums"] for r in c.weights_checksum()["ranks"]]
+        assert held_full == held_sharded
+        for held, mine in zip(held_sharded, sent_sums):  # each rank hashes the blocks it holds: the ones it was sent
+            assert all(held[n] == chk for n, chk in mine.items())
+    y = _generate(sharded.url)
+    assert x.output_ids == y.output_ids and x.logprobs == y.logprobs and y.versions == [5] * 12

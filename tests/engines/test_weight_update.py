@@ -305,3 +305,23 @@ def _catch(fn: Any, *args: Any) -> Any:
         return fn(*args)
     except Exception as e:
         return e
+
+
+def test_a_sharded_bucket_needs_the_rank_s_block_group_and_block_groups_must_hold_it() -> None:
+    """load_format sharded_bucket over a group joined without block_groups is refused before anything is received
+    (the trainer's broadcast would go to a sub-group this rank never joined); block_groups that are not a partition
+    of the group's engine ranks, or leave this rank out, are refused at join, naming the field."""
+    from megatron_sao.engines.embedded.weights import WeightUpdateError, WeightUpdater, _block_part
+
+    updater = WeightUpdater(torch.nn.Linear(2, 2), P.ServerProtocol("0.5.23", embedded=True))
+    updater.groups["g"] = object()  # joined without block groups
+    updater.begin()
+    with pytest.raises(WeightUpdateError, match="without block_groups"):
+        updater.receive(["weight"], ["float32"], [[2, 2]], "g", None, load_format="sharded_bucket")
+    assert _block_part([[1, 3], [2, 4]], 3, 5) == (0, [1, 3])
+    assert _block_part([[1, 3], [2, 4]], 4, 5) == (1, [2, 4])
+    for bad, match in (([[1, 3], [3, 4]], "at most once"), ([[0, 1]], "at most once"), ([[1, 5]], "at most once"),
+                       ([[1], []], "non-empty lists"), ("1,2", "non-empty lists"), ([[True]], "non-empty lists"),
+                       ([[1], [2]], "does not hold this engine's rank 3")):  # fmt: skip
+        with pytest.raises(WeightUpdateError, match=match):
+            _block_part(bad, 3, 5)

@@ -4,6 +4,7 @@ fails in between; pause_mode none is refused where requests would run on mixed w
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -205,6 +206,20 @@ def test_the_transfer_is_shard_aware_only_where_every_engine_takes_per_rank_bloc
     bad.spec = None
     with pytest.raises(WeightSyncError, match=r"tp_size 4.*says 2"):
         bad.plan()
+
+
+def test_engine_ranks_that_hold_the_same_blocks_share_one_block_group() -> None:
+    """Rank r of every engine at one TP size holds the same blocks: one block group (one broadcast) per r, in member
+    order; an engine at another TP size (other blocks) gets groups of its own; a full-tensor push has none."""
+    spec, _ = _sharded_engines(EMBEDDED_ENGINE).plan()
+    assert spec.block_groups == [[1, 3], [2, 4]]
+    assert replace(spec, load_format="flattened_bucket").block_groups is None
+    q = "model.layers.0.self_attn.q_proj.weight"
+    other = Member("http://c:1", spec.members[0].protocol, 4, 5, {q: tuple(((2 * r, 0), (2, 8)) for r in range(4))})
+    mixed = replace(spec, members=(*spec.members, other))
+    assert mixed.block_groups == [[1, 3], [2, 4], [5], [6], [7], [8]]
+    whole = Member("http://d:1", spec.members[0].protocol, 1, 9, {})  # TP=1: everything whole
+    assert replace(spec, members=(*spec.members, whole)).block_groups == [[1, 3], [2, 4], [9]]
 
 
 def test_a_sharded_transfer_cannot_go_one_tensor_per_broadcast() -> None:

@@ -243,12 +243,12 @@ def _weights(client: SGLangClient, names: list[str]) -> dict[str, list]:
     return {n: client.get_weights_by_name(n, truncate_size=2) for n in names}
 
 
-def _push_with_fault(hf_dir: str, url: str, port: int, fault: str, at: str) -> dict[str, Any]:
+def _push_with_fault(hf_dir: str, url: str, port: int, fault: str, at: str, transfer: str = "auto") -> dict[str, Any]:
     """One rank: push version 1 (the reference), then version 2 with `fault` ('refuse' or 'cut') at bucket `at`
     ('last' or 'middle'); 'cut' ends this process mid-bucket like a crashed trainer."""
     from megatron_sao.weight_sync import sender as sender_mod
 
-    cfg, learner = _learner(hf_dir, {}, port, bucket_mb=0.02)
+    cfg, learner = _learner(hf_dir, {}, port, bucket_mb=0.02, transfer=transfer)
     sync = _sync(learner, cfg, [url])
     client = SGLangClient(url)
     first = sync.push(1)
@@ -307,28 +307,38 @@ def test_a_push_refused_at_any_bucket_leaves_the_engine_as_it_was(start_engine: 
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("at", ["last", "middle"])
-def test_a_push_cut_at_any_bucket_leaves_the_engine_as_it_was(start_engine: Any, tiny_hf_dir: Any, at: str) -> None:
+@pytest.mark.parametrize(("at", "transfer"), [("last", "full"), ("middle", "full"), ("middle", "sharded")])
+def test_a_push_cut_at_any_bucket_leaves_the_engine_as_it_was(
+    start_engine: Any, tiny_hf_dir: Any, at: str, transfer: str
+) -> None:
     """The trainer process dies mid-bucket: the engine keeps the previous weights and version, notices the push is
     orphaned (its broadcast fails, or its session sits idle past --weight-session-timeout) and resumes generating,
-    and a new trainer pushes to it (any stale session is dropped when the new group forms)."""
+    and a new trainer pushes to it (any stale session is dropped when the new group forms). sharded: a TP=2 engine
+    whose ranks each receive only their blocks, over their block groups; cut mid-way, no rank keeps a block."""
     hf_dir = tiny_hf_dir("qwen3_moe")
-    engine = start_engine(hf_dir, "--weight-session-timeout", "5")
+    tp = ("--tp-size", "2") if transfer == "sharded" else ()
+    engine = start_engine(hf_dir, "--weight-session-timeout", "5", *tp)
     engine.wait_healthy()
     client = SGLangClient(engine.url)
+    held = client.weights_checksum()["ranks"]
     with pytest.raises(RankFailure, match="exited with code 17"):
-        spawn_ranks(_push_with_fault, 1, str(hf_dir), engine.url, find_free_port(), "cut", at, timeout_s=400)
+        spawn_ranks(_push_with_fault, 1, str(hf_dir), engine.url, find_free_port(), "cut", at, transfer,
+                    timeout_s=400)  # fmt: skip
     assert client.weight_version() == 1, "a cut push changed the engine's version"
     out = client.generate(PROMPT, {"max_new_tokens": 4, **GREEDY}, timeout_s=60)
     assert out.versions == [1] * 4
-    (again,) = spawn_ranks(_push_with_fault, 1, str(hf_dir), engine.url, find_free_port(), "none", "last",
+    # version 1 is the checkpoint the engine loaded (pushed back unchanged): every rank holds exactly what it held
+    assert client.weights_checksum()["ranks"] == held, "a cut push changed a rank's weights"
+    (again,) = spawn_ranks(_push_with_fault, 1, str(hf_dir), engine.url, find_free_port(), "none", "last", transfer,
                            timeout_s=400)  # fmt: skip
     assert again["first"]["sync/failed"] == 0 and again["final"]["version"] == 3
+    assert again["first"]["sync/sharded"] == float(transfer == "sharded")
+    assert client.weights_checksum()["ranks"] != held
 
 
 # ---- a generation across a push ----------------------------------------------------------------------------------
-def _push_under_generation(hf_dir: str, url: str, port: int, pause_mode: str) -> dict[str, Any]:
-    cfg, learner = _learner(hf_dir, {}, port, bucket_mb=0.05, pause_mode=pause_mode)
+def _push_under_generation(hf_dir: str, url: str, port: int, pause_mode: str, transfer: str) -> dict[str, Any]:
+    cfg, learner = _learner(hf_dir, {}, port, bucket_mb=0.05, pause_mode=pause_mode, transfer=transfer)
     sync = _sync(learner, cfg, [url])
     client = SGLangClient(url)
     box: dict[str, Any] = {}
@@ -346,19 +356,23 @@ def _push_under_generation(hf_dir: str, url: str, port: int, pause_mode: str) ->
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize(("release", "pause_mode"), [("0.5.23", "in_place"), ("0.5.10", "in_place"),
-                                                     ("0.5.5", "abort"), ("0.5.23", "none")])  # fmt: skip
+@pytest.mark.parametrize(("release", "pause_mode", "transfer"), [
+    ("0.5.23", "in_place", "full"), ("0.5.10", "in_place", "full"), ("0.5.5", "abort", "full"),
+    ("0.5.23", "none", "full"), ("0.5.23", "none", "sharded")])  # fmt: skip
 def test_a_generation_in_flight_across_a_push_carries_two_versions_and_no_flush_is_asked(
-    start_engine: Any, tiny_hf_dir: Any, release: str, pause_mode: str
+    start_engine: Any, tiny_hf_dir: Any, release: str, pause_mode: str, transfer: str
 ) -> None:
     """0.5.23: session + flattened; 0.5.10: no session, and a flush refused while the request runs would kill it;
-    0.5.5: per-tensor broadcasts and a pause that aborts; none: no pause, the staged push switches at one step."""
+    0.5.5: per-tensor broadcasts and a pause that aborts; none: no pause, the staged push switches at one step;
+    none + sharded: a TP=2 engine whose ranks receive only their blocks while the request goes on decoding."""
     hf_dir = tiny_hf_dir("qwen3_moe")
-    engine = start_engine(hf_dir, "--emulate-sglang", release)
+    tp = ("--tp-size", "2") if transfer == "sharded" else ()
+    engine = start_engine(hf_dir, "--emulate-sglang", release, *tp)
     engine.wait_healthy()
-    (out,) = spawn_ranks(_push_under_generation, 1, str(hf_dir), engine.url, find_free_port(), pause_mode,
+    (out,) = spawn_ranks(_push_under_generation, 1, str(hf_dir), engine.url, find_free_port(), pause_mode, transfer,
                          timeout_s=400)  # fmt: skip
     assert out["metrics"]["sync/failed"] == 0 and out["alive"], out["metrics"]
+    assert out["metrics"]["sync/sharded"] == float(transfer == "sharded")
     assert out["metrics"]["sync/flattened"] == float(release != "0.5.5")
     long = out["long"]
     if pause_mode == "abort":  # SGLang before 0.5.6 ends running requests when it pauses

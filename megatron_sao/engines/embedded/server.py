@@ -210,6 +210,7 @@ class EngineState:
                     int(body["world_size"]),
                     str(body.get("group_name", "weight_update_group")),
                     str(body.get("backend", "nccl")),
+                    body.get("block_groups"),
                 )
             elif path == P.DESTROY_WEIGHTS_UPDATE_GROUP:
                 msg = self.updater.destroy_group(str(body.get("group_name", "weight_update_group")))

@@ -31,6 +31,11 @@ Protocol (SGLang's; the rules of the SGLang release in `ServerProtocol`, engines
   its model-update lock (one order on every rank), each rank receives the full tensors into its own staging and keeps
   the elements it holds at the commit; a refusal on any rank refuses the request, and a push refused anywhere is
   dropped everywhere (`drop_pending`).
+- `load_format="sharded_bucket"` (this engine's own; `/weight_shards` tells the trainer each rank's blocks): each rank
+  receives only its blocks and the replicated tensors, one buffer broadcast over its **block group** -- the
+  trainer and the ranks of every engine in the group that hold the same blocks (rank r of each engine at one TP
+  size), named by `block_groups` at `/init_weights_update_group`. One broadcast per distinct set of blocks, not one
+  send per engine rank: the trainer sends each byte once, as a full-tensor broadcast does.
 """
 
 from __future__ import annotations
@@ -135,6 +140,7 @@ class WeightUpdater:
             self.tensors.update(fp8.tensors)
         self.protocol = protocol
         self.groups: dict[str, Any] = {}  # group name -> the update process group (distributed/update_group.py)
+        self.block_groups: dict[str, Any] = {}  # group name -> this rank's block group in it (sharded_bucket)
         self.serial = threading.Lock()  # SGLang's model-update lock: one weight-control request at a time
         self._lock = threading.Lock()  # guards groups, the session and the traffic record (taken inside serial)
         self.order: list[str] = []  # the group of every update received, in the order the receives began
@@ -147,12 +153,15 @@ class WeightUpdater:
 
     # ---- the weight-control requests, one at a time (SGLang's model-update lock) ---------------------------------
     def init_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
-    ) -> str:
-        """Join update group `group_name` as rank `rank_offset` (blocks until every rank has joined)."""
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str,
+        block_groups: list[list[int]] | None = None,
+    ) -> str:  # fmt: skip
+        """Join update group `group_name` as rank `rank_offset` (blocks until every rank has joined), and the block
+        group of `block_groups` that holds this rank, if given (see _init_group)."""
         with self.serial:
             args = dict(master_address=master_address, master_port=master_port, rank_offset=rank_offset,
-                        world_size=world_size, group_name=group_name, backend=backend)  # fmt: skip
+                        world_size=world_size, group_name=group_name, backend=backend,
+                        block_groups=block_groups)  # fmt: skip
             return self._mirrored("init_group", args, lambda: self._init_group(**args))
 
     def destroy_group(self, group_name: str) -> str:
@@ -193,9 +202,13 @@ class WeightUpdater:
 
     # ---- process groups -----------------------------------------------------------------------------------------
     def _init_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
-    ) -> str:
-        """Join update group `group_name` as rank `rank_offset` (blocks until every rank has joined)."""
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str,
+        block_groups: list[list[int]] | None = None,
+    ) -> str:  # fmt: skip
+        """Join update group `group_name` as rank `rank_offset` (blocks until every rank has joined). `block_groups`
+        (for load_format sharded_bucket): the group's engine ranks partitioned by the blocks they hold; this rank
+        also joins the sub-group of the trainer and its own part (`{group_name}/blocks{i}`, the trainer rank 0, the
+        part's ranks 1.. in the order given), over which it receives its blocks by broadcast."""
         if backend != "gloo":
             raise WeightUpdateError(f"backend={backend!r}: the embedded engine runs on CPU; use backend 'gloo'")
         if not group_name:
@@ -204,15 +217,14 @@ class WeightUpdater:
             raise WeightUpdateError(
                 f"rank_offset={rank_offset} must be in [1, world_size={world_size}) (rank 0 is the trainer)"
             )
+        part = _block_part(block_groups, rank_offset, world_size) if block_groups is not None else None
         with self._lock:
             stale = self.groups.pop(group_name, None)  # SGLang replaces a group of the same name (a new trainer)
+            stale_blocks = self.block_groups.pop(group_name, None)
             self._discard_session(f"a new update group {group_name!r} is being initialized")
         if stale is not None:
             log.warning("update group %r is replaced by a new one of the same name", group_name)
-            try:
-                destroy_update_group(stale)
-            except Exception as e:  # a group whose trainer died may refuse a clean teardown; it is dropped anyway
-                log.warning("dropping the replaced update group %r: %r", group_name, e)
+            _drop_groups(group_name, stale, stale_blocks)
         try:
             group = init_update_group(
                 "gloo", master_address, master_port, world_size, rank_offset, group_name, GROUP_TIMEOUT_S
@@ -221,18 +233,35 @@ class WeightUpdater:
             raise WeightUpdateError(
                 f"could not join update group {group_name!r} at {master_address}:{master_port}: {e}"
             ) from e
+        blocks = None
+        if part is not None:
+            index, ranks = part
+            try:
+                blocks = init_update_group("gloo", master_address, master_port, len(ranks) + 1,
+                                           ranks.index(rank_offset) + 1, f"{group_name}/blocks{index}",
+                                           GROUP_TIMEOUT_S)  # fmt: skip
+            except (RuntimeError, ValueError) as e:
+                _drop_groups(group_name, group, None)
+                raise WeightUpdateError(f"could not join the block group {index} of update group {group_name!r} at "
+                                        f"{master_address}:{master_port}: {e}") from e  # fmt: skip
         with self._lock:
             self.groups[group_name] = group
+            if blocks is not None:
+                self.block_groups[group_name] = blocks
             self.traffic[group_name] = _new_traffic()
-        return f"joined update group {group_name!r} as rank {rank_offset} of {world_size}"
+        joined = f" and its block group {part[0]} ({len(part[1])} engine ranks)" if part is not None else ""
+        return f"joined update group {group_name!r} as rank {rank_offset} of {world_size}{joined}"
 
     def _destroy_group(self, group_name: str) -> str:
         with self._lock:
             if group_name not in self.groups:
                 raise WeightUpdateError("The group to be destroyed does not exist.")
             group = self.groups.pop(group_name)
+            blocks = self.block_groups.pop(group_name, None)
             if self.session is not None and group_name in self.session.groups:
                 self._discard_session(f"update group {group_name!r} it received from was destroyed")
+        if blocks is not None:
+            destroy_update_group(blocks)
         destroy_update_group(group)
         return f"destroyed update group {group_name!r}"
 
@@ -351,10 +380,17 @@ class WeightUpdater:
             )
         with self._lock:
             group = self.groups.get(group_name)
+            blocks = self.block_groups.get(group_name)
         if group is None:
             raise WeightUpdateError(
                 f"Group {group_name} not in {sorted(self.groups)}. Please call `init_weights_update_group` first."
             )
+        if load_format == SHARDED_BUCKET:
+            if blocks is None:
+                raise WeightUpdateError(f"load_format={SHARDED_BUCKET!r} over {group_name!r}: the group was joined "
+                                        "without block_groups, so this rank has no block group to receive its "
+                                        "blocks over (pass block_groups to /init_weights_update_group)")  # fmt: skip
+            group = blocks
         parsed = [parse_dtype(d) for d in dtypes]  # an unknown dtype cannot even be drained: fail before receiving
         if not len(names) == len(parsed) == len(shapes):
             raise WeightUpdateError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(parsed)}/{len(shapes)}")
@@ -378,7 +414,7 @@ class WeightUpdater:
             self._traffic(group_name)["receiving"] += 1
             self.order.append(group_name)
         try:
-            received, buffers = self._broadcasts(group, parsed, shapes, slots, p2p=load_format == SHARDED_BUCKET)
+            received, buffers = self._broadcasts(group, parsed, shapes, slots)
         except RuntimeError as e:  # the trainer died or timed out mid-broadcast
             reason = f"receiving over {group_name!r} failed: {e}"
             if session is not None:
@@ -399,16 +435,12 @@ class WeightUpdater:
         return update
 
     def _broadcasts(
-        self, group: Any, dtypes: list[torch.dtype], shapes: list[list[int]], slots: list[flat_bucket.Slot] | None,
-        p2p: bool = False,
+        self, group: Any, dtypes: list[torch.dtype], shapes: list[list[int]], slots: list[flat_bucket.Slot] | None
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
-        """(received tensors, the buffers they live in). `p2p`: this rank's own bucket, sent to it alone."""
+        """(received tensors, the buffers they live in), broadcast from the group's rank 0."""
         if slots is not None:
             buffer = self._buffer(flat_bucket.nbytes(slots))
-            if p2p:
-                dist.recv(buffer, src=0, group=group)
-            else:
-                dist.broadcast(buffer, src=0, group=group)
+            dist.broadcast(buffer, src=0, group=group)
             return [flat_bucket.view(buffer, s) for s in slots], [buffer]
         out, buffers = [], []
         for dtype, shape in zip(dtypes, shapes):
@@ -578,3 +610,33 @@ class WeightUpdater:
 
             if (refused := refusals(self.peers.call("step", "apply"))) is not None:
                 fatal(f"a committed push failed to apply on another rank, the ranks' weights now differ: {refused}")
+
+
+def _block_part(block_groups: Any, rank: int, world_size: int) -> tuple[int, list[int]]:
+    """(index, ranks) of the part of `block_groups` that holds update-group rank `rank`; checked: a partition of
+    some of the ranks 1..world_size-1 into lists of distinct ints."""
+    if not isinstance(block_groups, list) or not all(
+        isinstance(g, list) and g and all(isinstance(r, int) and not isinstance(r, bool) for r in g)
+        for g in block_groups
+    ):
+        raise WeightUpdateError(f"block_groups={block_groups!r}: give a list of non-empty lists of engine ranks")
+    flat = [r for g in block_groups for r in g]
+    if len(set(flat)) != len(flat) or not all(0 < r < world_size for r in flat):
+        raise WeightUpdateError(f"block_groups={block_groups!r}: each engine rank in [1, world_size={world_size}) "
+                                "at most once")  # fmt: skip
+    for i, g in enumerate(block_groups):
+        if rank in g:
+            return i, g
+    raise WeightUpdateError(f"block_groups={block_groups!r} does not hold this engine's rank {rank}")
+
+
+def _drop_groups(group_name: str, group: Any, blocks: Any) -> None:
+    """Tear down a replaced or half-joined update group and its block group; a group whose trainer died may refuse
+    a clean teardown, and is dropped anyway."""
+    for g in (blocks, group):
+        if g is None:
+            continue
+        try:
+            destroy_update_group(g)
+        except Exception as e:
+            log.warning("dropping update group %r: %r", group_name, e)
