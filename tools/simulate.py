@@ -135,7 +135,7 @@ def calibrate(args: argparse.Namespace) -> int:
 
 
 def physics(cfg: Any, plan: Any, arch: Any, gpu: str, engine_gpu: str, mfu: float, concurrency_per_engine: int,
-            mean_context: float) -> tuple[EngineModel, Any]:  # fmt: skip
+            mean_context: float, push_path: str) -> tuple[EngineModel, Any]:  # fmt: skip
     """The engine's decode iteration from the bytes one engine GPU reads (its share of the weights of the experts a
     batch touches, each sequence's KV cache) at 70% of HBM bandwidth, prefill at 50% of peak FLOP/s; the learner's
     step from FLOPs per token at `mfu` over its GPUs."""
@@ -163,11 +163,14 @@ def physics(cfg: Any, plan: Any, arch: Any, gpu: str, engine_gpu: str, mfu: floa
     separate = plan.value_layout is not None  # learner.value_on_separate_ranks: the critic on value_world GPUs
     value_rate = (plan.value_world if separate else plan.world) * GPUS[gpu][0] * mfu
 
-    sync = plan.sync.seconds if plan.sync else 0.0
+    path = plan.sync.paths[push_path] if plan.sync else None
     every = cfg.weight_sync.interval
 
     def learner_at(scale: float) -> LearnerModel:
-        push = sync * scale
+        """The push's transfer and stall scaled by `scale`: the learner busy for the transfer and the commit, the
+        engines stopped for the stall only (the whole push on the full path, the commit on the shard-aware one)."""
+        push = path.push_s * scale if path else 0.0
+        stall = path.stall_s * scale if path else 0.0
 
         def step_s(arm: str, n: int, tokens: int) -> float:
             flops = 2 * counts.active * tokens
@@ -184,7 +187,7 @@ def physics(cfg: Any, plan: Any, arch: Any, gpu: str, engine_gpu: str, mfu: floa
             rest = k * update - (0 if values_fwd else update)
             return waited + max(policy, rest - push / every) + 0.5
 
-        return LearnerModel(step_s, push_s=push, push_every=every)
+        return LearnerModel(step_s, push_s=push, engine_pause_s=stall, push_every=every)
 
     return engine, learner_at
 
@@ -224,8 +227,10 @@ def project(args: argparse.Namespace) -> int:
     in_flight = plan.engine_concurrency * engines
     mean_context = turns * (args.gen_tokens_per_turn + args.prefill_tokens_per_turn) / 2
     engine_gpu = args.engine_gpu or args.gpu
+    push_path = plan.sync.taken if args.push == "config" or not plan.sync else args.push
     engine, learner_at = physics(cfg, plan, arch, args.gpu, engine_gpu, args.mfu, plan.engine_concurrency,
-                                 mean_context)  # fmt: skip
+                                 mean_context, push_path)  # fmt: skip
+    path = plan.sync.paths[push_path] if plan.sync else None
     t = cfg.learner.trajectories_per_step
     batch = in_flight // args.group * args.group
 
@@ -245,7 +250,8 @@ def project(args: argparse.Namespace) -> int:
           f"{learners} at MFU {args.mfu}, engines on {engine_gpu}; episodes: {turns:.1f} turns on "
           "average (recorded tail), "
           f"{args.gen_tokens_per_turn} generated + {args.prefill_tokens_per_turn} prefilled tokens and a "
-          f"{args.tool_s:g} s tool call per turn; push {plan.sync.seconds if plan.sync else 0:.1f} s every "
+          f"{args.tool_s:g} s tool call per turn; push ({push_path}) {path.transfer_s if path else 0:.1f} s "
+          f"transfer + engines stopped {path.stall_s if path else 0:.2f} s, every "
           f"{cfg.weight_sync.interval} step(s); decode iteration {engine.tau0 * 1e3:.1f} ms + "
           f"{engine.tau1 * 1e3:.3f} ms x batch")  # fmt: skip
     print(f"{'arm':<11} {'per step':>8} {'traj/hour':>10} {'learner busy':>12} {'engine busy':>11} "
@@ -263,7 +269,10 @@ def project(args: argparse.Namespace) -> int:
             per_hour = {a: run[a]["trajectories_per_hour"] for a in ARMS}
             sens.append({"tail_scale": tail, "push_scale": push, "sao_over_grpo": sao / per_hour["grpo"],
                          "sao_over_grpo_async": sao / per_hour["grpo_async"], "per_hour": per_hour})  # fmt: skip
-    print("speed-up of SAO (trajectories/hour) by length tail (x turns above the median) and push time (x planned):")
+    print(
+        "speed-up of SAO (trajectories/hour) by length tail (x turns above the median) and push time (transfer "
+        "and stall, x planned):"
+    )
     print(f"{'tail':>5} {'push':>5} {'sao/grpo':>9} {'sao/grpo_async':>15}")
     for row in sens:
         print(f"{row['tail_scale']:>5g} {row['push_scale']:>5g} {row['sao_over_grpo']:>9.2f} "
@@ -299,6 +308,12 @@ def main() -> int:
     j.add_argument("--group", type=int, default=8, help="grpo arms: samples per prompt")
     j.add_argument("--trajectories", type=int, default=4096, help="trajectories each arm trains")
     j.add_argument("--from", dest="source", default=str(REPO / "docs/results/pipeline_efficiency.json"))
+    j.add_argument(
+        "--push",
+        choices=("config", "full", "sharded"),
+        default="config",
+        help="the push path (plan's table): the one the config's engines take, or another",
+    )
     j.add_argument("--out", default=None)
     args, overrides = p.parse_known_args()
     args.overrides = overrides

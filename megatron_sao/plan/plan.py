@@ -24,6 +24,9 @@ LINK_EFFICIENCY = 0.9
 """Share of a NIC's line rate a large NCCL broadcast reaches."""
 BUCKET_OVERHEAD_S = 0.005
 """Per bucket of a push: the HTTP request, SGLang's dispatch, kernel launches (docs/weight_sync.md)."""
+COPY_EFFICIENCY = 0.35
+"""A device-to-device copy's rate as a share of HBM bandwidth (it reads and writes every byte, at ~70%): the
+embedded engine's commit of a staged push into its live parameters."""
 FIELD = re.compile(r"\b((?:launch|rollout|parallel|learner|model|weight_sync|bus|algo)\.[a-z_]+(?:\.[a-z_]+)*)")
 
 
@@ -36,6 +39,13 @@ class Hardware:
     """Engine nodes' GPUs when they differ from the learner's (e.g. H200 engines beside H100 learners)."""
     ib_gbps: float = 400.0
     """Network bandwidth into one GPU (its NIC), Gb/s."""
+    engine_hbm_tb_s: float | None = None
+    """Engine GPUs' HBM bandwidth, TB/s (None: an H200's 4.8 when engine GPUs have more than 80 GB, else an
+    H100's 3.35)."""
+
+    @property
+    def engine_hbm_bytes_s(self) -> float:
+        return (self.engine_hbm_tb_s or (4.8 if self.engine_mem_gb > 80 else 3.35)) * 1e12
 
     @property
     def engine_mem_gb(self) -> float:
@@ -78,6 +88,27 @@ CONTROL_CALLS_PER_ENGINE = 6
 continue (weight_sync/engines.py)."""
 
 
+@dataclass(frozen=True)
+class PushPath:
+    """One way a push reaches the engines, per push: what each engine GPU receives, the transfer (the learner's
+    sources busy), and how long the engines stop decoding."""
+
+    name: str
+    engines: str
+    """The engines that take it (docs/weight_sync.md, release table)."""
+    bytes_per_engine_rank: float
+    transfer_s: float
+    stall_s: float
+    """Seconds the engines do not decode: the whole push where they pause for it, else the commit."""
+    staging_bytes: float = 0.0
+    """Extra memory per engine GPU while a push is received (staged beside the live weights)."""
+
+    @property
+    def push_s(self) -> float:
+        """The learner's seconds per push: the transfer, then the engines' commit, which it waits for."""
+        return self.transfer_s + (self.stall_s if self.stall_s < self.transfer_s else 0.0)
+
+
 @dataclass
 class SyncPlan:
     bytes_per_engine_rank: float
@@ -86,6 +117,14 @@ class SyncPlan:
     seconds: float
     floor_seconds: float
     engines: int = 1
+    paths: dict[str, PushPath] = field(default_factory=dict)
+    taken: str = "full"
+    """The path the config's engines take: SGLang's ranks take full tensors (the embedded engine, which takes the
+    sharded path, runs on CPU and is not planned)."""
+
+    @property
+    def path(self) -> PushPath:
+        return self.paths[self.taken]
 
     @property
     def update_requests(self) -> int:
@@ -413,9 +452,30 @@ def _plan_sync(cfg: SAOConfig, hw: Hardware, plan: Plan) -> None:
     experts = c.routed + c.routed * 4 // (128 * 128) if fp8_engines else c.routed * 2
     buckets = pp * (math.ceil((total - experts) / pp / bucket) + math.ceil(experts / pp / bucket))
     floor = max(receiver, source)
-    plan.sync = SyncPlan(bytes_per_engine_rank=total, buckets=buckets, sources=pp,
-                         seconds=floor + buckets / pp * BUCKET_OVERHEAD_S, floor_seconds=floor,
+    seconds = floor + buckets / pp * BUCKET_OVERHEAD_S
+    plan.sync = SyncPlan(bytes_per_engine_rank=total, buckets=buckets, sources=pp, seconds=seconds, floor_seconds=floor,
                          engines=cfg.rollout.num_engines)  # fmt: skip
+    # the full-tensor broadcast SGLang's ranks take: paused for the whole push (pause_mode none is refused there)
+    plan.sync.paths["full"] = PushPath("full", "SGLang (all releases)", total, seconds, seconds)
+    # shard-aware (the embedded engine's sharded_bucket): each rank receives its 1/TP share (replicated norms and
+    # routers, < 0.1%, not counted); the buckets still go one at a time in the push order and each leaves its stage
+    # source whole (its block groups' broadcasts at once: each byte once), so the transfer stays source-bound at the
+    # full push's; the engines decode throughout and stop only for the commit, a device copy of what they staged
+    tp = cfg.rollout.sglang.tp
+    rank = total / tp
+    commit = rank / (COPY_EFFICIENCY * hw.engine_hbm_bytes_s)
+    plan.sync.paths["sharded"] = PushPath("sharded", "embedded engine", rank, total / bandwidth + buckets / pp *
+                                          BUCKET_OVERHEAD_S, commit, staging_bytes=rank)  # fmt: skip
+    # the planned engines are SGLang's, whose ranks take full tensors only (weight_sync/engines.py refuses otherwise)
+    if cfg.weight_sync.transfer == "sharded":
+        plan.misfits.append(Misfit("weight_sync.transfer", "weight_sync.transfer='sharded': SGLang engines take only "
+                                   "full tensors (docs/weight_sync.md, release table): use auto or full"))  # fmt: skip
+    if plan.engine is not None and plan.engine.pool - rank < 0:
+        plan.notes.append(
+            f"a shard-aware push stages {rank / GB:.1f} GB per engine GPU beside its {plan.engine.weights / GB:.1f} "
+            f"GB of weights: more than the {max(plan.engine.pool, 0) / GB:.1f} GB KV pool; it needs a larger "
+            "rollout.sglang.tp (or larger engine GPUs) to run"
+        )
 
 
 def render(plan: Plan, cfg: SAOConfig, hw: Hardware, title: str) -> str:
@@ -471,6 +531,14 @@ def render(plan: Plan, cfg: SAOConfig, hw: Hardware, title: str) -> str:
             f"(floor {s.floor_seconds:.1f} s at {hw.ib_gbps:g} Gb/s x {LINK_EFFICIENCY}); {s.update_requests:,} update "
             f"requests ({s.buckets} buckets x {s.engines} engines), {s.control_round_trips:,} HTTP round trips in all"
         )
+        table = Table(title="per push, by path (weight_sync.transfer; docs/weight_sync.md)")
+        for col in ("path", "engines", "GB per engine rank", "transfer s", "engine stall s", "staging GB/GPU", ""):
+            table.add_column(col, justify="right")
+        for p in s.paths.values():
+            table.add_row(p.name, p.engines, f"{p.bytes_per_engine_rank / GB:.1f}", f"{p.transfer_s:.2f}",
+                          f"{p.stall_s:.2f}", f"{p.staging_bytes / GB:.1f}",
+                          "this config" if p.name == s.taken else "")  # fmt: skip
+        console.print(table)
     for n in plan.notes:
         console.print(f"note: {n}")
     if plan.misfits:

@@ -141,3 +141,26 @@ def test_a_critic_on_its_own_ranks_is_planned_at_its_own_layout(capsys: pytest.C
     assert "value job memory per GPU" in out
     rc, out = plan_cli(capsys, QWEN, "--nodes", "6", *argv)  # 4 learner + 2 value + 2 engine nodes do not fit in 6
     assert rc == 1 and "launch.value_nnodes" in out, out
+
+
+def test_the_push_paths_say_what_each_engine_rank_receives_and_how_long_the_engines_stop() -> None:
+    """full: every engine rank receives the whole model and the engines stop for the push (SGLang); sharded: 1/TP
+    of it per rank, the transfer still source-bound at the full push's (each bucket leaves its stage source once),
+    the engines stopped only for the commit, and the staged copy is memory the KV pool must give up. The planned
+    (SGLang) engines take the full path; weight_sync.transfer=sharded with them does not fit, naming the field."""
+    cfg = load_config(QWEN, [])
+    hf = json.loads((ROOT / "examples/qwen3_30b/hf_config.json").read_text())
+    plan = make_plan(cfg, hf, Hardware(nodes=6))
+    full, sharded = plan.sync.paths["full"], plan.sync.paths["sharded"]
+    tp = cfg.rollout.sglang.tp
+    assert plan.sync.taken == "full" and cfg.rollout.engine == "sglang"
+    assert sharded.bytes_per_engine_rank == pytest.approx(full.bytes_per_engine_rank / tp)
+    assert full.stall_s == full.transfer_s and full.push_s == full.transfer_s
+    assert sharded.transfer_s == pytest.approx(full.transfer_s)
+    assert 0 < sharded.stall_s < 0.1 * sharded.transfer_s and sharded.push_s > sharded.transfer_s
+    assert sharded.staging_bytes == sharded.bytes_per_engine_rank
+    forced = make_plan(load_config(QWEN, ["--weight_sync.transfer", "sharded"]), hf, Hardware(nodes=6))
+    assert [m.field for m in forced.misfits] == ["weight_sync.transfer"]
+    glm = make_plan(load_config(GLM, []), json.loads((ROOT / "examples/glm_750b/hf_config.json").read_text()),
+                    Hardware(nodes=96, engine_gpu_mem_gb=141))  # fmt: skip
+    assert any("a shard-aware push stages 93.2 GB per engine GPU" in n for n in glm.notes), glm.notes

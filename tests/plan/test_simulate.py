@@ -37,6 +37,20 @@ def test_one_step_off_grpo_overlaps_generation_with_training() -> None:
     assert r.staleness == [0] * 4 + [1] * 8
 
 
+def test_a_push_that_stops_the_engines_only_for_its_commit_keeps_them_decoding() -> None:
+    """A shard-aware push: the learner busy for the whole push, the engines stopped only for `engine_pause_s` (the
+    commit). Same learner, same push length: with a 0.05 s stall the engines are busier and SAO trains faster than
+    with the engines stopped for the whole 1.5 s push."""
+    records = tuple(dict(prompt_id=f"p{i}", turns=1, tokens=30, action_tokens=30, tool_s=0.0) for i in range(8))
+    sc = Scenario("sao", engines=2, concurrency=16, trajectories_per_step=8, steps=20, max_staleness=4)
+    stopped = simulate(sc, FLAT, LearnerModel(step_s=lambda arm, n, tokens: 0.5, push_s=1.5), EpisodeSource(records))
+    decoding = simulate(sc, FLAT, LearnerModel(step_s=lambda arm, n, tokens: 0.5, push_s=1.5, engine_pause_s=0.05),
+                        EpisodeSource(records))  # fmt: skip
+    assert decoding.engine_busy > stopped.engine_busy
+    assert decoding.summary()["trajectories_per_hour"] > stopped.summary()["trajectories_per_hour"]
+    assert decoding.learner_busy_s == pytest.approx(stopped.learner_busy_s)  # the learner pushes as long
+
+
 def test_sao_streams_and_bounds_staleness() -> None:
     records = tuple(dict(prompt_id=f"p{i}", turns=1 + i % 6, tokens=20 + 10 * i, action_tokens=10 + 5 * (i % 6),
                          tool_s=float(i % 6)) for i in range(30))  # fmt: skip
@@ -84,6 +98,13 @@ def test_projection_prints_every_arm(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert set(result["arms"]) == {"sao", "grpo", "grpo_async"}
     assert len(result["sensitivity"]) == 9
+    sharded = tmp_path / "qwen_sharded.json"
+    done = subprocess.run([sys.executable, "tools/simulate.py", "project", "examples/qwen3_30b/config.yaml", "--nodes",
+                           "6", "--trajectories", "1024", "--push", "sharded", "--out", str(sharded)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0 and "push (sharded)" in done.stdout, done.stderr[-2000:]
+    sao = json.loads(sharded.read_text())["arms"]["sao"]
+    assert sao["engine_busy"] > result["arms"]["sao"]["engine_busy"]  # engines decode through the transfer
     for arm in result["arms"].values():
         assert arm["trajectories_per_hour"] > 0 and 0 < arm["engine_busy"] <= 1
     bad = subprocess.run([sys.executable, "tools/simulate.py", "project", "examples/qwen3_30b/config.yaml", "--nodes",
