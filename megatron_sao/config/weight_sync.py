@@ -45,14 +45,17 @@ class WeightSyncConfig(Section):
     every engine takes it and one runs at TP > 1, else full (docs/weight_sync.md, "Shard-aware pushes")."""
 
     flush_cache: bool = True
-    """Flush the engines' prefix cache after a push. Asked only with pause_mode abort or retract: with in_place the
-    paused requests keep their KV, and SGLang refuses a flush then (0.5.22+ fails the update, older servers die)."""
+    """Flush the engines' prefix cache after a push. Asked only of engines paused by abort or retract: with in_place
+    the paused requests keep their KV, and SGLang refuses a flush then (0.5.22+ fails the update, older servers die);
+    unpaused (none) they run on."""
 
-    pause_mode: Literal["in_place", "abort", "retract", "none"] = "in_place"
+    pause_mode: Literal["auto", "in_place", "abort", "retract", "none"] = "auto"
     """How engines pause during a push: in_place keeps requests and their KV (tokens after the push carry the new
     version), retract requeues them, abort ends them, none keeps generating (the embedded engine stages the push and
     switches at one step). none is refused for SGLang engines when a push is more than one update (buckets over
-    all stages): SGLang loads each into the live model and serves requests between them, on mixed weights."""
+    all stages): SGLang loads each into the live model and serves requests between them, on mixed weights. auto,
+    per engine: none where it stages a push (the embedded engine from SGLang 0.5.21's sessions on), else in_place
+    (abort on SGLang before 0.5.6, which can do nothing else)."""
 
     verify: Literal["auto", "checksum", "sample", "none"] = "auto"
     """Check what the engines hold after a push before it is live: checksum compares every tensor's checksum

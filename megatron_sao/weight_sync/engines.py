@@ -4,8 +4,8 @@ who takes part, what each engine's SGLang release allows, and the session around
     plan():    the engines answering /health, each with its protocol (from /server_info's version), its TP size
                (ranks in every update group) and its DP size; a new GroupSpec when that set changed or the last
                push failed (the groups are then formed again).
-    open():    pause (weight_sync.pause_mode; SGLang before 0.5.6 can only abort) and, from 0.5.21, begin the
-               weight-update session on every engine.
+    open():    pause (weight_sync.pause_mode, per engine: auto leaves engines that stage a push decoding; SGLang
+               before 0.5.6 can only abort) and, from 0.5.21, begin the weight-update session on every engine.
     finish():  when every stage landed: the end-of-push marker (weight_version), end the sessions (the embedded
                engine commits its staged push here, weights and version at one decode step), verify what each engine
                now holds (weight_sync.verify), continue generation. An engine that fails any of it is not marked live.
@@ -163,7 +163,7 @@ class EngineSet:
                 f"engine {url}: --dp-size {dp} without --enable-dp-attention; SGLang refuses weight-update groups "
                 "then (run one engine per replica: rollout.sglang.dp=1 and more rollout.num_engines)"
             )
-        mode = self.cfg.pause_mode
+        mode = self.pause_mode(proto)
         if mode == "none" and not proto.staged and self.updates > 1:
             raise ValueError(f"weight_sync.pause_mode='none': engine {url} runs SGLang {proto.version}, which loads "
                              f"each of a push's {self.updates} updates into the live model and serves requests in "
@@ -174,6 +174,14 @@ class EngineSet:
                              f"only pause by aborting; set weight_sync.pause_mode to 'abort' or 'none', or upgrade "
                              "SGLang to >= 0.5.6")  # fmt: skip
         return proto, int(info["tp_size"])
+
+    def pause_mode(self, proto: ServerProtocol) -> str:
+        """weight_sync.pause_mode for an engine of protocol `proto` (auto resolved: none where it stages a push)."""
+        if self.cfg.pause_mode != "auto":
+            return self.cfg.pause_mode
+        if proto.staged:
+            return "none"
+        return "in_place" if "in_place" in proto.pause_modes else "abort"
 
     def _load_format(self, members: list[Member]) -> str | None:
         """How buckets travel this push: sharded_bucket (weight_sync.transfer), flattened_bucket, or one tensor per
@@ -210,11 +218,11 @@ class EngineSet:
     # ---- the session around a push ------------------------------------------------------------------------------
     def open(self, spec: GroupSpec) -> str | None:
         """Pause and begin on every member; the error (after undoing it) or None."""
-        clients = [self.clients[m.url] for m in spec.members]
-        if self.cfg.pause_mode != "none":
-            failed = failures(self._each(clients, lambda c: c.pause_generation(self.cfg.pause_mode)))
-            if failed:
-                return f"pause_generation failed: {describe(failed)}"
+        modes = {m.url: self.pause_mode(m.protocol) for m in spec.members}
+        paused = [self.clients[m.url] for m in spec.members if modes[m.url] != "none"]
+        failed = failures(self._each(paused, lambda c: c.pause_generation(modes[c.url])))
+        if failed:
+            return f"pause_generation failed: {describe(failed)}"
         failed = failures(self._each([self.clients[m.url] for m in spec.members if m.protocol.session], _begin))
         if failed:
             return f"begin_weight_update failed: {describe(failed)}"
@@ -223,7 +231,8 @@ class EngineSet:
     def finish(self, spec: GroupSpec, version: int, marker: StageSender, reports: list[StageReport],
                tied_lm_head: bool) -> dict[str, Any]:  # fmt: skip
         """Every stage landed: mark, end, verify, continue. {url: why it failed} for the engines that failed."""
-        flush = self.cfg.flush_cache and self.cfg.pause_mode in ("abort", "retract")
+        flush = {m.url: self.cfg.flush_cache and self.pause_mode(m.protocol) in ("abort", "retract")
+                 for m in spec.members}  # fmt: skip
         bad: dict[str, str] = {}
         for url, answer in failures(marker.send_marker(version, flush)).items():
             bad[url] = f"marker update: {describe({url: answer})}"
@@ -247,12 +256,12 @@ class EngineSet:
         # (a connect or open failure) leaves its partial weights exactly as they were
         landed = {m.url for m in spec.members if version is not None and m.url not in bad}
         self.quarantined = (self.quarantined | hold) - landed
-        go = [self.clients[m.url] for m in spec.members if m.url not in self.quarantined]
-        if self.cfg.pause_mode != "none":
-            for url, e in failures(self._each(go, lambda c: c.continue_generation())).items():
-                log.warning("weight sync: continue_generation on %s failed: %s", url, describe({url: e}))
-        elif hold:
-            self._each([self.clients[u] for u in hold], lambda c: c.pause_generation("abort"))
+        unpaused = {m.url for m in spec.members if self.pause_mode(m.protocol) == "none"}
+        go = [self.clients[m.url] for m in spec.members if m.url not in self.quarantined and m.url not in unpaused]
+        for url, e in failures(self._each(go, lambda c: c.continue_generation())).items():
+            log.warning("weight sync: continue_generation on %s failed: %s", url, describe({url: e}))
+        if hold & unpaused:
+            self._each([self.clients[u] for u in hold & unpaused], lambda c: c.pause_generation("abort"))
         for url in sorted(hold):
             log.error("weight sync: engine %s holds a partial push and stays paused until a complete one lands (%s)",
                       url, bad[url])  # fmt: skip

@@ -430,12 +430,14 @@ class StageSender:
                     held.update({n: chk for n, chk in sums.items() if m.compared(r, n)})
         return sends
 
-    def send_marker(self, version: int, flush_cache: bool) -> dict[str, Any]:
-        """The end-of-push marker (an update with no tensors that carries weight_version) to every member; it tags
-        the push, and the embedded engine commits only the session it closes. {url: answer or exception}."""
+    def send_marker(self, version: int, flush_cache: Mapping[str, bool]) -> dict[str, Any]:
+        """The end-of-push marker (an update with no tensors that carries weight_version) to every member, with its
+        flush_cache; it tags the push, and the embedded engine commits only the session it closes. {url: answer or
+        exception}."""
         calls = {
-            url: (lambda c=c: c.update_weights_from_distributed(
-                [], [], [], group_name=self.group_name, weight_version=version, flush_cache=flush_cache))
+            url: (lambda c=c, url=url: c.update_weights_from_distributed(
+                [], [], [], group_name=self.group_name, weight_version=version,
+                flush_cache=flush_cache.get(url, False)))
             for url, c in self.clients.items()
         }  # fmt: skip
         return in_threads(calls, self.spec.bucket_timeout_s)

@@ -44,6 +44,9 @@ class FakeEngine(SGLangClient):
     def destroy_weights_update_group(self, group_name: str) -> Any:
         return self._ok("destroy")
 
+    def begin_weight_update(self) -> Any:
+        return self._ok("begin")
+
     def end_weight_update(self) -> Any:
         return self._ok("end")
 
@@ -90,6 +93,26 @@ def test_pause_mode_none_is_refused_for_sglang_pushes_of_several_updates() -> No
     for client in embedded.clients.values():
         client.engine = EMBEDDED_ENGINE  # stages the whole push and switches at its end
     assert embedded._describe(URLS[0])[0].staged
+
+
+def test_pause_mode_auto_leaves_engines_that_stage_a_push_decoding_and_pauses_sglang_in_place() -> None:
+    """auto, per engine: the embedded engine with sessions (stages, switches at one step) is neither paused nor
+    continued and is asked no flush; SGLang 0.5.23 is paused in place (no flush: its requests keep their KV);
+    SGLang before 0.5.6 can only abort (and then its cache is flushed)."""
+    engines = _engines()
+    staged, sglang = ServerProtocol("0.5.23", embedded=True), ServerProtocol("0.5.23")
+    assert [engines.pause_mode(p) for p in (staged, sglang, ServerProtocol("0.5.5"))] == ["none", "in_place", "abort"]
+    assert engines.pause_mode(ServerProtocol("0.5.10", embedded=True)) == "in_place"  # no session: applied live
+    spec = _spec(staged)
+    mixed = GroupSpec(members=(spec.members[0], Member(URLS[1], sglang, 1, 2)), attempt=0, num_stages=1,
+                      group_name="g", master_port=1, master_addr="auto", backend="gloo", load_format=None,
+                      connect_timeout_s=10.0, bucket_timeout_s=10.0)  # fmt: skip
+    assert engines.open(mixed) is None
+    a, b = (engines.clients[u] for u in URLS)
+    assert not any(c.startswith("pause") for c in a.calls) and "pause:in_place" in b.calls
+    engines.conclude(mixed, {}, touched=set(URLS), version=2)
+    assert "continue" not in a.calls and "continue" in b.calls
+    assert _engines(pause_mode="retract").pause_mode(staged) == "retract"  # a mode given is a mode kept
 
 
 class CheckingEngine(FakeEngine):
