@@ -74,6 +74,12 @@ def init_update_group(
     return group
 
 
+def block_group_name(group_name: str, part: int) -> str:
+    """The sub-group of update group `group_name` for block group `part` of a shard-aware push: its root (the stage
+    source or a relay) and the engine ranks holding that part's blocks."""
+    return f"{group_name}/blocks{part}"
+
+
 def destroy_update_group(group: Any) -> None:
     dist.destroy_process_group(group)
 

@@ -61,6 +61,7 @@ class StageReport:
     buckets: int = 0
     tensors: int = 0
     bytes: int = 0
+    relayed: int = 0  # of `bytes`, what relays broadcast (a shard-aware push's block groups not rooted here)
     seconds: float = 0.0
     order_wait_s: float = 0.0  # waiting for the bucket before each of this stage's in the push order
     peak_bytes: int = 0

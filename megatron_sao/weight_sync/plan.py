@@ -126,6 +126,14 @@ class StagePlan:
     source: int
     host: str  # the source's host
     buckets: list[Bucket]
+    relays: tuple[int, ...] = ()
+    """The stage's ranks on the source's host, the source first: a shard-aware push's block groups are each rooted
+    at one of them (part i at relays[i % len]), so the engine ranks' slices leave the node through as many NICs."""
+
+    def relay_of(self, part: int, parts: int) -> int:
+        """The rank that broadcasts block group `part` of `parts` (the source for a full push's single group)."""
+        relays = self.relays[: max(1, min(parts, len(self.relays)))] or (self.source,)
+        return relays[part % len(relays)]
 
     @property
     def hf_names(self) -> list[str]:
@@ -197,13 +205,14 @@ def build_plan(
         ranks = tuple(i.rank for i in by_stage[stage])
         source = min(ranks)
         host = next(i.host for i in by_stage[stage] if i.rank == source)
+        relays = tuple(i.rank for i in by_stage[stage] if i.host == host)  # sorted by rank: the source first
         pieces: dict[str, list[Piece]] = {}
         for info in by_stage[stage]:
             for p in info.pieces:
                 pieces.setdefault(p.name, []).append(p)
         _check_tiling(pieces)
         stages.append(StagePlan(stage, ranks, source, host, _buckets(stage, source, pieces, mapping, hf_dtype,
-                                                                      bucket_bytes, fp8_format)))  # fmt: skip
+                                                                      bucket_bytes, fp8_format), relays))  # fmt: skip
     _check_disjoint(stages)
     return TransferPlan(stages, bucket_bytes)
 

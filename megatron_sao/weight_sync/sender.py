@@ -45,6 +45,7 @@ import torch.distributed as dist
 from megatron_sao.distributed import flat_bucket
 from megatron_sao.distributed.update_group import (
     abort_update_group,
+    block_group_name,
     destroy_update_group,
     host_store,
     init_update_group,
@@ -52,6 +53,7 @@ from megatron_sao.distributed.update_group import (
 from megatron_sao.engines.client import SGLangClient
 from megatron_sao.engines.protocol import SHARDED_BUCKET, ServerProtocol
 from megatron_sao.weight_sync.plan import Bucket
+from megatron_sao.weight_sync.relay import STOP
 
 log = logging.getLogger(__name__)
 
@@ -297,13 +299,16 @@ class PushOrder:
 class StageSender:
     """The source of one pipeline stage: its update group and the buckets it sends."""
 
-    def __init__(self, stage: int, spec: GroupSpec, group: Any, address: str, blocks: list[Any] | None = None) -> None:
+    def __init__(self, stage: int, spec: GroupSpec, group: Any, address: str, blocks: dict[int, Any] | None = None,
+                 links: dict[int, tuple[Any, list[int]]] | None = None) -> None:  # fmt: skip
         self.stage, self.spec, self.group, self.address = stage, spec, group, address
-        self.blocks = blocks or []  # a shard-aware push: the sub-group of each of spec.block_groups
+        self.blocks = blocks or {}  # a shard-aware push: the block groups this source roots, by part
+        self.links = links or {}  # relay rank -> (its pair group with this source, the parts it roots)
+        self._relaying: dict[int, _InThread] = {}  # each relay's last bucket in flight
         self.clients = {m.url: SGLangClient(m.url, timeout_s=spec.bucket_timeout_s) for m in spec.members}
         self.touched: set[str] = set()  # engines that got an update request this push
         self.broken = False
-        self.stats = {"buckets": 0, "tensors": 0, "bytes": 0}
+        self.stats = {"buckets": 0, "tensors": 0, "bytes": 0, "relayed": 0}
         self.order: PushOrder | None = None  # this push's order across stages (set by sync.py per push)
         # a shard-aware push: bytes sent to each engine rank, and (when verified) the checksums of what each got
         self.meter: Any = None  # the push's gather.MemoryMeter: the engine ranks' buffers count (set by sync.py)
@@ -314,15 +319,25 @@ class StageSender:
     def group_name(self) -> str:
         return self.spec.name(self.stage)
 
-    @classmethod
-    def connect(cls, stage: int, spec: GroupSpec) -> StageSender:
-        """Form this stage's update group: every member engine joins (HTTP, in parallel) while this rank hosts it."""
+    @staticmethod
+    def host(stage: int, spec: GroupSpec) -> Hosted:
+        """Bind this stage's group store (before any engine is asked to join: a port in use fails here, not in every
+        engine's join), at this source's address towards the engines."""
         address = source_address(spec.master_addr, [m.url for m in spec.members])
-        name = spec.name(stage)
-        try:  # bound before any engine is asked to join: a port in use fails here, not in every engine's join
+        try:
             store, port = host_store(address, spec.port(stage), spec.world, spec.connect_timeout_s)
         except RuntimeError as e:
-            raise WeightSyncError(f"cannot host update group {name} at {address}: {e}") from e
+            raise WeightSyncError(f"cannot host update group {spec.name(stage)} at {address}: {e}") from e
+        return Hosted(address, port, store)
+
+    @classmethod
+    def connect(cls, stage: int, spec: GroupSpec, hosted: Hosted | None = None, own: list[int] | None = None,
+                links: dict[int, tuple[Any, list[int]]] | None = None) -> StageSender:  # fmt: skip
+        """Form this stage's update group: every member engine joins (HTTP, in parallel) while this rank hosts it,
+        and joins the block groups `own` (default: all) as their rank 0; `links`' relays join the others."""
+        hosted = hosted or cls.host(stage, spec)
+        address, port, store = hosted.address, hosted.port, hosted.store
+        name = spec.name(stage)
         clients = {m.url: SGLangClient(m.url, timeout_s=spec.connect_timeout_s + 10) for m in spec.members}
         parts = spec.block_groups
         calls: dict[str, Callable[[], Any]] = {
@@ -330,28 +345,29 @@ class StageSender:
                 address, port, m.offset, spec.world, name, spec.backend, block_groups=parts))
             for m in spec.members
         }  # fmt: skip
-        box: dict[str, Any] = {"blocks": []}
+        box: dict[str, Any] = {"blocks": {}}
+        mine = list(range(len(parts or []))) if own is None else own
 
         def join() -> None:
             box["group"] = init_update_group(spec.backend, address, port, spec.world, 0, name, spec.connect_timeout_s,
                                              store=store, collective_timeout_s=spec.group_timeout_s)  # fmt: skip
-            for i, ranks in enumerate(parts or []):  # each part's ranks join theirs once they joined the group
-                box["blocks"].append(init_update_group(
-                    spec.backend, address, port, len(ranks) + 1, 0, f"{name}/blocks{i}", spec.connect_timeout_s,
-                    store=store, collective_timeout_s=spec.group_timeout_s))  # fmt: skip
+            for i in mine:  # each part's ranks join theirs once they joined the group
+                box["blocks"][i] = init_update_group(
+                    spec.backend, address, port, len(parts[i]) + 1, 0, block_group_name(name, i),
+                    spec.connect_timeout_s, store=store, collective_timeout_s=spec.group_timeout_s)  # fmt: skip
 
         refused = lambda key, result: key != "trainer" and bool(failures({key: result}))  # noqa: E731
         results = in_threads({**calls, "trainer": join}, spec.connect_timeout_s + 20, give_up=refused)  # fail fast
         failed = failures(results)
         if failed:
-            for g in [*box["blocks"], box.get("group")]:
+            for g in [*box["blocks"].values(), box.get("group")]:
                 if g is not None:
                     abort_update_group(g)
             raise WeightSyncError(f"could not form update group {name} at {address}:{port}: {describe(failed)}")
-        blocks = f", {len(parts)} block groups" if parts else ""
+        blocks = f", {len(parts)} block groups ({len(links or {})} relayed)" if parts else ""
         log.info("weight sync: stage %d update group %s at %s:%d with %d engines (world %d, %s%s)", stage, name,
                  address, port, len(spec.members), spec.world, spec.backend, blocks)  # fmt: skip
-        return cls(stage, spec, box["group"], address, box["blocks"])
+        return cls(stage, spec, box["group"], address, box["blocks"], links)
 
     def start(self, bucket: Bucket, buffer: torch.Tensor) -> _PendingSend:
         """Announce `bucket` to every member, once its turn in the push order came, and broadcast its buffer
@@ -379,12 +395,15 @@ class StageSender:
             t.start()
         held: list[torch.Tensor] = []
         if fmt == SHARDED_BUCKET:
-            # one broadcast per block group: the buffer its ranks share (each byte leaves this source once)
+            # one broadcast per block group of the buffer its ranks share: from here for the groups this source
+            # roots, handed to its relay for the others (relay.py)
             of_rank = dict(sends)
-            parts = self.spec.block_groups or []
-            held = [of_rank[ranks[0]] for ranks in parts]
-            works = [dist.broadcast(t, src=0, group=g, async_op=True) for t, g in zip(held, self.blocks)]
+            held = [of_rank[ranks[0]] for ranks in self.spec.block_groups or []]
+            works = [dist.broadcast(held[i], src=0, group=g, async_op=True) for i, g in self.blocks.items()]
+            works += [self._relay(bucket.index, relay, pair, [held[i] for i in parts])
+                      for relay, (pair, parts) in self.links.items()]  # fmt: skip
             sent = sum(t.nbytes for t in held)
+            self.stats["relayed"] += sum(held[i].nbytes for _, parts in self.links.values() for i in parts)
         else:
             tensors = [buffer] if fmt == FLATTENED else [flat_bucket.view(buffer, s) for s in bucket.slots]
             works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]
@@ -398,6 +417,35 @@ class StageSender:
         if self.order is not None and self.order.store is not None:
             threading.Thread(target=pending.publish_landing, args=(self.order,), daemon=True).start()
         return pending
+
+    def _relay(self, index: int, relay: int, pair: Any, buffers: list[torch.Tensor]) -> _InThread:
+        """Hand bucket `index`'s buffers to `relay` (header, then the buffers) and wait for its answer, on a thread
+        (after its previous bucket's, over the same pair group)."""
+        before = self._relaying.get(relay)
+        if before is not None:
+            before.join()
+
+        def run() -> None:
+            header = torch.tensor([index, *(b.nbytes for b in buffers)], dtype=torch.int64, device=buffers[0].device)
+            dist.send(header, dst=relay, group=pair)
+            for b in buffers:
+                dist.send(b, dst=relay, group=pair)
+            answer = torch.zeros(1, dtype=torch.int64, device=buffers[0].device)
+            dist.recv(answer, src=relay, group=pair)
+            if int(answer.item()) != 0:
+                raise RuntimeError(f"relay rank {relay}: its block groups' broadcast failed or did not land")
+
+        self._relaying[relay] = work = _InThread(run)
+        return work
+
+    def stop_relays(self) -> None:
+        """End the push on every relay, once its last bucket was answered (relay.py: a header with index -1)."""
+        for relay, (pair, parts) in self.links.items():
+            before = self._relaying.pop(relay, None)
+            if before is not None:
+                before.join()
+            device = torch.device("cpu") if dist.get_backend(pair) == "gloo" else torch.device("cuda")
+            dist.send(torch.tensor([STOP] + [0] * len(parts), dtype=torch.int64, device=device), dst=relay, group=pair)
 
     def _rank_buffers(self, bucket: Bucket, buffer: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         """(group rank, its buffer) for every engine rank: its blocks of the bucket (`flat_bucket.sharded`), one
@@ -446,7 +494,7 @@ class StageSender:
         """Drop this side of the group (the engines are asked to drop theirs by the coordinator). A broken group is
         aborted: pending work fails instead of waiting out the group's timeout."""
         group, self.group = self.group, None
-        blocks, self.blocks = self.blocks, []
+        blocks, self.blocks = list(self.blocks.values()), {}
         if group is None:
             return
         if self.broken:
@@ -459,6 +507,41 @@ class StageSender:
                 destroy_update_group(g)
             except Exception as e:  # a broken group may refuse to be destroyed; it is dropped either way
                 log.warning("weight sync: destroying update group %s: %r", self.group_name, e)
+
+
+class _InThread:
+    """A function run on a thread behind a work's interface (is_completed, wait: raises what it raised)."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True, name="weight-sync-relay-send")
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException as e:
+            self._error = e
+
+    def is_completed(self) -> bool:
+        return not self._thread.is_alive()
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise RuntimeError(str(self._error)) from self._error
+
+
+@dataclass(frozen=True)
+class Hosted:
+    """A stage's group store, bound by its source: where the engines and the relays join."""
+
+    address: str
+    port: int
+    store: Any
 
 
 def _call(box: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from megatron_sao.config.weight_sync import WeightSyncConfig
 from megatron_sao.distributed import flat_bucket
 from megatron_sao.distributed.bootstrap import current_context
+from megatron_sao.distributed.update_group import block_group_name
 from megatron_sao.engines.protocol import SHARDED_BUCKET
 from megatron_sao.models.builder import ModelSpec
 from megatron_sao.models.fp8 import Fp8Format
@@ -38,7 +39,8 @@ from megatron_sao.models.weights import weight_mapping
 from megatron_sao.weight_sync.engines import EngineSet, StageReport
 from megatron_sao.weight_sync.gather import MemoryMeter, StageGather, collect, hf_views, local_pieces, rank_info
 from megatron_sao.weight_sync.plan import Bucket, TransferPlan, build_plan
-from megatron_sao.weight_sync.sender import GroupSpec, PushOrder, StageSender, WeightSyncError
+from megatron_sao.weight_sync.relay import Relay, cancel_key
+from megatron_sao.weight_sync.sender import GroupSpec, Hosted, PushOrder, StageSender, WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +104,11 @@ class WeightSync:
         )
         self.stage = self.gather.stage
         self.sources_group = dist.new_group(self.plan.sources, backend="gloo")
+        # a shard-aware push's relays: a pair group {source, relay} for each rank on a stage source's host (relay.py)
+        pair_backend = "gloo" if self.gather.send_device.type == "cpu" else "nccl"
+        self.pairs = {r: dist.new_group([st.source, r], backend=pair_backend)
+                      for st in self.plan.stages for r in st.relays if r != st.source}  # fmt: skip
+        self.relay: Relay | None = None
         updates = sum(len(st.buckets) for st in self.plan.stages)
         self.engines: EngineSet | None = None
         if self.rank == 0:
@@ -175,16 +182,45 @@ class WeightSync:
 
     # ---- the steps ----------------------------------------------------------------------------------------------
     def _connect(self, spec: GroupSpec) -> bool:
-        """Form the stages' update groups one after the other; False (everything undone) when one failed."""
+        """Form the stages' update groups one after the other; False (everything undone) when one failed. A
+        shard-aware push's block groups are rooted at the stage's relays (relay.py), which join them meanwhile."""
         self._drop_sender()
+        parts = spec.block_groups or []
         for st in self.plan.stages:
-            error = None
+            roots = [st.relay_of(i, len(parts)) for i in range(len(parts))]
+            hosted: Hosted | str | None = None
             if self.rank == st.source:
                 try:
-                    self.sender = StageSender.connect(st.stage, spec)
+                    hosted = StageSender.host(st.stage, spec)
+                except WeightSyncError as e:
+                    hosted = str(e)
+            mine_hosted = (hosted.address, hosted.port) if isinstance(hosted, Hosted) else hosted
+            where = self._bcast(mine_hosted, st.source)
+            error = where if isinstance(where, str) else None
+            if error is None and self.rank == st.source:
+                assert isinstance(hosted, Hosted)
+                relays = sorted(set(roots) - {st.source})
+                links = {r: (self.pairs[r], [i for i, x in enumerate(roots) if x == r]) for r in relays}
+                try:
+                    self.sender = StageSender.connect(st.stage, spec, hosted,
+                                                      own=[i for i, x in enumerate(roots) if x == st.source],
+                                                      links=links)  # fmt: skip
                 except (WeightSyncError, ValueError) as e:
                     error = str(e)
-            error = self._bcast(error, st.source)
+            elif error is None and self.rank in roots:
+                mine = [i for i, x in enumerate(roots) if x == self.rank]
+                name = spec.name(st.stage)
+                try:
+                    self.relay = Relay.join(st.stage, st.source, self.pairs[self.rank], mine,
+                                            [block_group_name(name, i) for i in mine],
+                                            [len(parts[i]) + 1 for i in mine], where[0], where[1], spec.backend,
+                                            self.gather.send_device, spec.connect_timeout_s, spec.bucket_timeout_s,
+                                            spec.group_timeout_s)  # fmt: skip
+                except (RuntimeError, ValueError) as e:
+                    error = f"stage {st.stage} relay rank {self.rank}: could not join its block groups: {e}"
+            errors: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error, group=self.control)
+            error = next((e for e in errors if e is not None), None)
             if error is not None:
                 self._drop_sender()
                 if self.engines is not None:
@@ -220,6 +256,8 @@ class WeightSync:
                 self.order.cleanup()
             counts = [len(st.buckets) for st in self.plan.stages]
             self.order = sender.order = PushOrder(counts, self.stage.stage, self.pushes, self.cfg.bucket_timeout_s)
+        if self.relay is not None:
+            self.relay.start(self.pushes)
         try:
             self.gather.run(sender.start if sender is not None else None, on_packed if sender is not None else None)
         except WeightSyncError as e:
@@ -228,6 +266,11 @@ class WeightSync:
             if sender is not None and sender.order is not None:
                 sender.order.finish(f"stage {self.stage.stage} failed: {e!r}")
             raise
+        finally:
+            if sender is not None and sender.links:
+                self._stop_relays(sender, failed=report.error is not None)
+            if self.relay is not None:
+                self.relay.finish()
         if sender is not None and sender.order is not None:
             sender.order.finish(report.error)
             report.order_wait_s = sender.order.waited_s
@@ -240,7 +283,8 @@ class WeightSync:
         report.peak_bytes, report.seconds = self.gather.meter.peak, time.monotonic() - t0
         if sender is not None:
             report.touched, report.broken = sorted(sender.touched), sender.broken
-            report.buckets, report.tensors, report.bytes = (sender.stats[k] for k in ("buckets", "tensors", "bytes"))
+            report.buckets, report.tensors, report.bytes, report.relayed = (
+                sender.stats[k] for k in ("buckets", "tensors", "bytes", "relayed"))  # fmt: skip
             report.rank_bytes, report.rank_checksums = sender.rank_bytes, sender.rank_checksums or {}
             sender.touched.clear()
             sender.stats = dict.fromkeys(sender.stats, 0)
@@ -269,6 +313,7 @@ class WeightSync:
             "sync/buckets": float(sum(r.buckets for r in reports)),
             "sync/tensors": float(sum(r.tensors for r in reports)),
             "sync/bytes": float(sum(r.bytes for r in reports)),
+            "sync/relayed_bytes": float(sum(r.relayed for r in reports)),
             "sync/stage_seconds_max": max(r.seconds for r in reports),
             "sync/order_wait_max": max(r.order_wait_s for r in reports),
             "sync/peak_mb": max(r.peak_bytes for r in reports) / 2**20,
@@ -278,6 +323,18 @@ class WeightSync:
             "sync/failed": float(bool(bad)),
         }
 
+    def _stop_relays(self, sender: StageSender, failed: bool) -> None:
+        """End the push on this stage's relays; when it failed, tell them first (a bucket an engine refused never
+        lands: its relay stops waiting for it)."""
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        key = cancel_key(self.pushes, self.stage.stage)
+        if failed:
+            _get_default_store().set(key, "1")
+        sender.stop_relays()
+        if failed:
+            _get_default_store().delete_key(key)
+
     def _failed(self, version: int, t0: float) -> dict[str, float]:
         return {"sync/failed": 1.0, "sync/version": float(version), "sync/seconds": time.monotonic() - t0}
 
@@ -285,6 +342,9 @@ class WeightSync:
         sender, self.sender = self.sender, None
         if sender is not None:
             sender.close()
+        relay, self.relay = self.relay, None
+        if relay is not None:
+            relay.close()
 
     def _bcast(self, obj: Any, src: int) -> Any:
         box = [obj]

@@ -210,8 +210,9 @@ def test_a_shard_aware_push_sends_each_engine_rank_its_slice_and_serves_what_a_f
 ) -> None:
     """A multi-rank learner pushes the same weights whole to one TP=2 engine and shard-aware to another: each rank
     of the second received exactly its blocks and the replicated tensors (its update groups' traffic), at most 0.6x
-    what a rank of the first received, and both engines then hold the same weights on every rank (checksums) and
-    generate the same greedy tokens with exactly the same log-probs."""
+    what a rank of the first received, rank 1's blocks broadcast by a relay rank beside the source; both engines
+    then hold the same weights on every rank (checksums) and generate the same greedy tokens with exactly the same
+    log-probs."""
     hf_dir = tiny_hf_dir("qwen3_moe")
     full, sharded = start_engine(hf_dir, "--tp-size", "2"), start_engine(hf_dir, "--tp-size", "2")
     full.wait_healthy()
@@ -231,6 +232,10 @@ def test_a_shard_aware_push_sends_each_engine_rank_its_slice_and_serves_what_a_f
     assert got["sharded"] == _expected_rank_bytes(str(hf_dir), names, engines["sharded"]["shards"], torch.float32)
     assert max(got["sharded"]) <= 0.6 * whole[0], got
     assert out["sharded"]["metrics"]["sync/engine_rank_mb_max"] == max(got["sharded"]) / 2**20
+    # engine rank 1's block group is rooted at a relay (the stage's next rank on the source's host): its bytes leave
+    # through that rank, not the source
+    assert out["sharded"]["metrics"]["sync/relayed_bytes"] == got["sharded"][1] and out["full"]["metrics"][
+        "sync/relayed_bytes"] == 0  # fmt: skip
     assert engines["full"]["checksums"] == engines["sharded"]["checksums"]
     a, b = engines["full"]["gen"], engines["sharded"]["gen"]
     assert a.output_ids == b.output_ids and a.logprobs == b.logprobs and b.versions == [1] * 10

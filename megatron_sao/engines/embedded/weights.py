@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sao.distributed import flat_bucket
-from megatron_sao.distributed.update_group import destroy_update_group, init_update_group
+from megatron_sao.distributed.update_group import block_group_name, destroy_update_group, init_update_group
 from megatron_sao.engines.protocol import SHARDED_BUCKET, ServerProtocol
 from megatron_sao.models.mapping import Target, on_disk_names, resolve_in_memory
 
@@ -207,8 +207,8 @@ class WeightUpdater:
     ) -> str:  # fmt: skip
         """Join update group `group_name` as rank `rank_offset` (blocks until every rank has joined). `block_groups`
         (for load_format sharded_bucket): the group's engine ranks partitioned by the blocks they hold; this rank
-        also joins the sub-group of the trainer and its own part (`{group_name}/blocks{i}`, the trainer rank 0, the
-        part's ranks 1.. in the order given), over which it receives its blocks by broadcast."""
+        also joins the sub-group of its own part (`block_group_name`: rank 0 the trainer rank that broadcasts that
+        part, the part's ranks 1.. in the order given), over which it receives its blocks by broadcast."""
         if backend != "gloo":
             raise WeightUpdateError(f"backend={backend!r}: the embedded engine runs on CPU; use backend 'gloo'")
         if not group_name:
@@ -238,7 +238,7 @@ class WeightUpdater:
             index, ranks = part
             try:
                 blocks = init_update_group("gloo", master_address, master_port, len(ranks) + 1,
-                                           ranks.index(rank_offset) + 1, f"{group_name}/blocks{index}",
+                                           ranks.index(rank_offset) + 1, block_group_name(group_name, index),
                                            GROUP_TIMEOUT_S)  # fmt: skip
             except (RuntimeError, ValueError) as e:
                 _drop_groups(group_name, group, None)
