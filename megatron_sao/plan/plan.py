@@ -39,6 +39,8 @@ class Hardware:
     """Engine nodes' GPUs when they differ from the learner's (e.g. H200 engines beside H100 learners)."""
     ib_gbps: float = 400.0
     """Network bandwidth into one GPU (its NIC), Gb/s."""
+    nvlink_gb_s: float = 450.0
+    """NVLink bandwidth out of one learner GPU, GB/s per direction (H100/H200: 900 GB/s both ways)."""
     engine_hbm_tb_s: float | None = None
     """Engine GPUs' HBM bandwidth, TB/s (None: an H200's 4.8 when engine GPUs have more than 80 GB, else an
     H100's 3.35)."""
@@ -102,6 +104,8 @@ class PushPath:
     """Seconds the engines do not decode: the whole push where they pause for it, else the commit."""
     staging_bytes: float = 0.0
     """Extra memory per engine GPU while a push is received (staged beside the live weights)."""
+    relays: int = 1
+    """Learner GPUs per stage whose NICs the push leaves through (the source, and the sharded path's relays)."""
 
     @property
     def push_s(self) -> float:
@@ -458,14 +462,20 @@ def _plan_sync(cfg: SAOConfig, hw: Hardware, plan: Plan) -> None:
     # the full-tensor broadcast SGLang's ranks take: paused for the whole push (pause_mode none is refused there)
     plan.sync.paths["full"] = PushPath("full", "SGLang (all releases)", total, seconds, seconds)
     # shard-aware (the embedded engine's sharded_bucket): each rank receives its 1/TP share (replicated norms and
-    # routers, < 0.1%, not counted); the buckets still go one at a time in the push order and each leaves its stage
-    # source whole (its block groups' broadcasts at once: each byte once), so the transfer stays source-bound at the
-    # full push's; the engines decode throughout and stop only for the commit, a device copy of what they staged
+    # routers, < 0.1%, not counted). The buckets go one at a time in the push order; each is cut into one buffer
+    # per block group (engine TP rank), broadcast by the stage's relays (weight_sync/relay.py: its ranks on the
+    # source's node, one group each, up to TP of them), which the source hands them over NVLink. So a bucket leaves
+    # the node through `relays` NICs: the transfer is the largest of what one engine rank receives, what one relay
+    # sends, and what the source hands its relays over NVLink (pipelined bucket by bucket). The engines decode
+    # throughout and stop only for the commit, a device copy of what they staged.
     tp = cfg.rollout.sglang.tp
     rank = total / tp
+    relays = max(1, min(tp, hw.gpus_per_node, plan.world // pp))
+    handed = total * (relays - 1) / relays / (hw.nvlink_gb_s * 1e9 * LINK_EFFICIENCY)
+    transfer = max(rank / bandwidth, total / relays / bandwidth, handed) + buckets / pp * BUCKET_OVERHEAD_S
     commit = rank / (COPY_EFFICIENCY * hw.engine_hbm_bytes_s)
-    plan.sync.paths["sharded"] = PushPath("sharded", "embedded engine", rank, total / bandwidth + buckets / pp *
-                                          BUCKET_OVERHEAD_S, commit, staging_bytes=rank)  # fmt: skip
+    plan.sync.paths["sharded"] = PushPath("sharded", "embedded engine", rank, transfer, commit, staging_bytes=rank,
+                                          relays=relays)  # fmt: skip
     # the planned engines are SGLang's, whose ranks take full tensors only (weight_sync/engines.py refuses otherwise)
     if cfg.weight_sync.transfer == "sharded":
         plan.misfits.append(Misfit("weight_sync.transfer", "weight_sync.transfer='sharded': SGLang engines take only "
@@ -532,11 +542,12 @@ def render(plan: Plan, cfg: SAOConfig, hw: Hardware, title: str) -> str:
             f"requests ({s.buckets} buckets x {s.engines} engines), {s.control_round_trips:,} HTTP round trips in all"
         )
         table = Table(title="per push, by path (weight_sync.transfer; docs/weight_sync.md)")
-        for col in ("path", "engines", "GB per engine rank", "transfer s", "engine stall s", "staging GB/GPU", ""):
+        for col in ("path", "engines", "GB per engine rank", "sending GPUs per stage", "transfer s", "engine stall s",
+                    "staging GB/GPU", ""):  # fmt: skip
             table.add_column(col, justify="right")
         for p in s.paths.values():
-            table.add_row(p.name, p.engines, f"{p.bytes_per_engine_rank / GB:.1f}", f"{p.transfer_s:.2f}",
-                          f"{p.stall_s:.2f}", f"{p.staging_bytes / GB:.1f}",
+            table.add_row(p.name, p.engines, f"{p.bytes_per_engine_rank / GB:.1f}", str(p.relays),
+                          f"{p.transfer_s:.2f}", f"{p.stall_s:.2f}", f"{p.staging_bytes / GB:.1f}",
                           "this config" if p.name == s.taken else "")  # fmt: skip
         console.print(table)
     for n in plan.notes:
