@@ -19,7 +19,9 @@ the engine decodes, and switched at one token boundary). Prints `bytes per engin
 largest rank's bytes, from the learner's per-rank accounting, which the tests check against the engine's traffic),
 the push times, tokens decoded during each push, and `engine stall / push X`: 1 - (tokens per second decoded during
 the shard-aware pushes) / (tokens per second in an equally long idle window just before), medians over the repeats.
-On one CPU machine the learner's packing shares the cores with the engines, which counts as stall here too.
+On one CPU machine the learner's packing shares the cores with the engines, which counts as stall here too; so the
+engine's own count is printed beside it, `engine-counted stall / push`: the seconds its scheduler spent in calls at
+a token boundary (the commit) and paused (`/server_info` load boundary_s + paused_s) over the push's wall time.
 
     python benchmarks/weight_sync.py [--hidden 512 --layers 8 --experts 8 --vocab 16384 --bucket-mb 32 --repeats 5]
                                      [--part all|pp|tp2]
@@ -194,6 +196,14 @@ def _tokens(url: str) -> int:
     return int(SGLangClient(url).server_info()["load"]["generated_tokens"])
 
 
+def _held_s(url: str) -> float:
+    """What the engine itself counts as not decoding for a push: boundary calls (the commit) and time paused."""
+    from megatron_sao.engines.client import SGLangClient
+
+    load = SGLangClient(url).server_info()["load"]
+    return float(load["boundary_s"]) + float(load["paused_s"])
+
+
 def _tp2_rank(hf_dir: str, urls: dict[str, str], port: int, args: dict[str, Any]) -> dict[str, Any]:
     """One learner rank: interleaved full and shard-aware pushes into two decoding TP=2 engines."""
     import torch.distributed as dist
@@ -221,7 +231,8 @@ def _tp2_rank(hf_dir: str, urls: dict[str, str], port: int, args: dict[str, Any]
     stop = threading.Event()
     streams = [_decoding(u, stop) for u in urls.values()]
     time.sleep(2.0)
-    out: dict[str, list[float]] = {f"{k}_{m}": [] for k in syncs for m in ("s", "tokens", "idle_rate", "rank_mb")}
+    out: dict[str, list[float]] = {f"{k}_{m}": [] for k in syncs
+                                   for m in ("s", "tokens", "idle_rate", "rank_mb", "held_s")}  # fmt: skip
     for rep in range(args["repeats"] + 1):  # the first round forms the groups and is dropped
         version = rep + 1
         for key, sync in syncs.items():
@@ -230,9 +241,9 @@ def _tp2_rank(hf_dir: str, urls: dict[str, str], port: int, args: dict[str, Any]
             t0, n0 = time.monotonic(), _tokens(url)
             time.sleep(window)
             idle_rate = (_tokens(url) - n0) / (time.monotonic() - t0)
-            n0, t0 = _tokens(url), time.monotonic()
+            n0, h0, t0 = _tokens(url), _held_s(url), time.monotonic()
             metrics = sync.push(version)
-            seconds, tokens = time.monotonic() - t0, _tokens(url) - n0
+            seconds, tokens, held = time.monotonic() - t0, _tokens(url) - n0, _held_s(url) - h0
             if metrics.get("sync/failed"):
                 raise SystemExit(f"{key} push failed: {metrics}")
             if rep:
@@ -240,6 +251,7 @@ def _tp2_rank(hf_dir: str, urls: dict[str, str], port: int, args: dict[str, Any]
                 out[f"{key}_tokens"].append(tokens)
                 out[f"{key}_idle_rate"].append(idle_rate)
                 out[f"{key}_rank_mb"].append(metrics["sync/engine_rank_mb_max"])
+                out[f"{key}_held_s"].append(held)
                 for k, v in metrics.items():
                     if k.startswith("sync/time_"):
                         out.setdefault(f"{key}_{k.removeprefix('sync/')}", []).append(v)
@@ -305,6 +317,10 @@ def shard_aware(hf_dir: str, work: Path, args: argparse.Namespace, results: dict
               zip(out["sharded_tokens"], out["sharded_s"], out["sharded_idle_rate"])]  # fmt: skip
     print(f"bytes per engine rank shard-aware/full {med['sharded_rank_mb'] / med['full_rank_mb']:.2f}")
     print(f"engine stall / push {statistics.median(stalls):.2f} (runs {', '.join(f'{x:.2f}' for x in stalls)})")
+    for key in ("full", "sharded"):  # the engine's own count: no CPU contention in it
+        held = [h / s for h, s in zip(out[f"{key}_held_s"], out[f"{key}_s"])]
+        print(f"engine-counted stall / push ({key}: commit at the token boundary + paused) "
+              f"{statistics.median(held):.2f} (runs {', '.join(f'{x:.2f}' for x in held)})")  # fmt: skip
 
 
 def main() -> None:

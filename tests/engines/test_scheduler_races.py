@@ -94,3 +94,26 @@ def test_retract_during_a_prefill_requeues_instead_of_aborting():
     finally:
         runner.release.set()
         sched.stop()
+
+
+def test_the_engine_counts_the_time_a_push_stopped_it_for():
+    """load()'s boundary_s: time spent in calls run at a token boundary (a push's commit); paused_s: time between
+    /pause_generation and /continue_generation. Neither counts decoding."""
+    import time
+
+    runner = GatedRunner()
+    sched = _scheduler(runner)
+    try:
+        before = sched.load()
+        assert before["boundary_s"] == 0.0 and before["paused_s"] == 0.0
+        sched.at_boundary(lambda: time.sleep(0.2))
+        assert 0.2 <= sched.load()["boundary_s"] < 5.0
+        sched.pause("in_place")
+        time.sleep(0.2)
+        assert sched.load()["paused_s"] >= 0.2  # counted while still paused
+        sched.resume()
+        paused = sched.load()["paused_s"]
+        time.sleep(0.1)
+        assert sched.load()["paused_s"] == paused  # not after the continue
+    finally:
+        sched.stop()

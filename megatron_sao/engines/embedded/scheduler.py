@@ -70,6 +70,11 @@ class Scheduler:
         self._in_step = False  # a prefill/decode step is running outside the lock
         self.stats = {"generated_tokens": 0, "decode_steps": 0, "prefills": 0, "finished": 0, "aborted": 0}
         self.busy_s = 0.0  # time in forward passes (prefills and decode steps) since start
+        # time the engine did not decode because of a push: calls run at a token boundary (a push's commit, a
+        # version switch) and time paused with requests to serve (/pause_generation until /continue_generation)
+        self.boundary_s = 0.0
+        self.paused_s = 0.0
+        self._paused_since: float | None = None
         self.started = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
 
@@ -114,12 +119,17 @@ class Scheduler:
             elif mode != "in_place":
                 raise ValueError(f"pause mode {mode!r}; use abort, retract or in_place")
             self._paused = True
+            if self._paused_since is None:
+                self._paused_since = time.monotonic()
             while self._in_step and not self._stopped:  # return at a token boundary: nothing runs after this
                 self._cv.wait(timeout=1.0)
 
     def resume(self) -> None:
         with self._cv:
             self._paused = False
+            if self._paused_since is not None:
+                self.paused_s += time.monotonic() - self._paused_since
+                self._paused_since = None
             self._cv.notify_all()
 
     def at_boundary(self, fn: Callable[[], Any], timeout_s: float = 600.0) -> Any:
@@ -169,6 +179,8 @@ class Scheduler:
                 "paused": self._paused,
                 "weight_version": self.weight_version,
                 "busy_s": self.busy_s,
+                "boundary_s": self.boundary_s,  # the engine's own count of what a push stopped it for
+                "paused_s": self.paused_s + (time.monotonic() - self._paused_since if self._paused_since else 0.0),
                 "uptime_s": time.monotonic() - self.started,
                 **self.stats,
             }
@@ -188,12 +200,15 @@ class Scheduler:
                 if self._stopped:
                     return
                 calls, self._boundary = self._boundary, []
+                t_boundary = time.monotonic()
                 for fn, done, box in calls:  # token boundary: no forward is running
                     try:
                         box.append((True, fn()))
                     except Exception as e:  # handed to the caller of at_boundary
                         box.append((False, e))
                     done.set()
+                if calls:
+                    self.boundary_s += time.monotonic() - t_boundary
                 if self._paused:
                     continue
                 admitted = self._admit()
