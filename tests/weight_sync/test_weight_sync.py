@@ -312,7 +312,8 @@ def test_a_push_refused_at_any_bucket_leaves_the_engine_as_it_was(start_engine: 
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize(("at", "transfer"), [("last", "full"), ("middle", "full"), ("middle", "sharded")])
+@pytest.mark.parametrize(("at", "transfer"), [pytest.param("last", "full", marks=pytest.mark.slow),  # as middle
+                                              ("middle", "full"), ("middle", "sharded")])  # fmt: skip
 def test_a_push_cut_at_any_bucket_leaves_the_engine_as_it_was(
     start_engine: Any, tiny_hf_dir: Any, at: str, transfer: str
 ) -> None:
