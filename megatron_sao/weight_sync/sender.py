@@ -29,6 +29,7 @@ kill the learner; gloo: the blocked work ends at the group's timeout) and the ne
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import socket
@@ -121,11 +122,12 @@ class GroupSpec:
     def name(self, stage: int) -> str:
         return f"{self.group_name}_pp{stage}_a{self.attempt}"
 
-    @property
+    @functools.cached_property
     def block_groups(self) -> list[list[int]] | None:
         """A shard-aware push's block groups: the engine ranks (update-group ranks) partitioned by the blocks they
         hold, in member order -- rank r of every engine at one TP size shares one part. Each part and the stage
-        source form a sub-group; a bucket goes as one broadcast per part. None for full-tensor pushes."""
+        source form a sub-group; a bucket goes as one broadcast per part. None for full-tensor pushes. Computed once
+        per spec (every bucket reads it; the key of a rank is its whole table)."""
         if self.load_format != SHARDED_BUCKET:
             return None
         parts: dict[Any, list[int]] = {}
@@ -305,6 +307,7 @@ class StageSender:
         self.blocks = blocks or {}  # a shard-aware push: the block groups this source roots, by part
         self.links = links or {}  # relay rank -> (its pair group with this source, the parts it roots)
         self._relaying: dict[int, _InThread] = {}  # each relay's last bucket in flight
+        self._relay_device = torch.device("cpu")  # where the buffers handed to relays live (the send device)
         self.clients = {m.url: SGLangClient(m.url, timeout_s=spec.bucket_timeout_s) for m in spec.members}
         self.touched: set[str] = set()  # engines that got an update request this push
         self.broken = False
@@ -424,6 +427,7 @@ class StageSender:
         before = self._relaying.get(relay)
         if before is not None:
             before.join()
+        self._relay_device = buffers[0].device
 
         def run() -> None:
             header = torch.tensor([index, *(b.nbytes for b in buffers)], dtype=torch.int64, device=buffers[0].device)
@@ -444,8 +448,8 @@ class StageSender:
             before = self._relaying.pop(relay, None)
             if before is not None:
                 before.join()
-            device = torch.device("cpu") if dist.get_backend(pair) == "gloo" else torch.device("cuda")
-            dist.send(torch.tensor([STOP] + [0] * len(parts), dtype=torch.int64, device=device), dst=relay, group=pair)
+            stop = torch.tensor([STOP] + [0] * len(parts), dtype=torch.int64, device=self._relay_device)
+            dist.send(stop, dst=relay, group=pair)
 
     def _rank_buffers(self, bucket: Bucket, buffer: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         """(group rank, its buffer) for every engine rank: its blocks of the bucket (`flat_bucket.sharded`), one
