@@ -1,4 +1,5 @@
-"""Trajectory <-> frames: one msgpack header frame, then one raw little-endian frame per per-token array.
+"""Trajectory <-> frames: one msgpack header frame, then one raw little-endian frame per per-token array, then the
+routes frame when the header says the trajectory carries routes (schema.Routes).
 
 Owned here: the payload layout of a data message (after the protocol envelope) and every check made on it
 before a byte of it is interpreted. Called by sender.py (encode) and receiver_io.py (decode). Zero-copy both ways:
@@ -22,8 +23,10 @@ from megatron_sao.bus.schema import ARRAY_DTYPES, SCHEMA_VERSION, Trajectory, Tr
 if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
     raise ImportError("the bus wire format is little-endian and sends arrays as they lie in memory")
 
-NUM_PAYLOAD_FRAMES = 1 + len(ARRAY_DTYPES)
-"""Header frame + one frame per array (the envelope frame in front is not counted)."""
+NUM_ARRAY_FRAMES = 1 + len(ARRAY_DTYPES)
+"""Header frame + one frame per per-token array (the envelope frame in front is not counted)."""
+NUM_PAYLOAD_FRAMES = NUM_ARRAY_FRAMES + 1
+"""The most payload frames a data message has: those, plus the routes frame."""
 
 _HEADER_ENCODER = msgspec.msgpack.Encoder()
 _HEADER_DECODER = msgspec.msgpack.Decoder(TrajectoryHeader)
@@ -71,13 +74,16 @@ def encode(traj: Trajectory) -> list[bytes | memoryview]:
     for name in ARRAY_DTYPES:
         arr = np.ascontiguousarray(getattr(traj, name))
         frames.append(arr.data.cast("B"))
+    if traj.routes is not None:
+        frames.append(np.ascontiguousarray(traj.routes).reshape(-1).data.cast("B"))
     return frames
 
 
 def check_sizes(frames: Sequence[_Buffer], limits: Limits) -> int:
     """Frame count and size limits; returns the total bytes. Raises FrameError."""
-    if len(frames) != NUM_PAYLOAD_FRAMES:
-        raise FrameError(Reason.FRAME_COUNT, f"{len(frames)} payload frames, expected {NUM_PAYLOAD_FRAMES}")
+    if len(frames) not in (NUM_ARRAY_FRAMES, NUM_PAYLOAD_FRAMES):
+        raise FrameError(Reason.FRAME_COUNT, f"{len(frames)} payload frames, expected {NUM_ARRAY_FRAMES} "
+                         f"(+1 with routes)")  # fmt: skip
     sizes = [len(f) for f in frames]
     total = sum(sizes)
     hcap, fcap = limits.max_header_bytes, limits.max_frame_bytes
@@ -121,9 +127,32 @@ def decode(frames: Sequence[object], limits: Limits) -> tuple[Trajectory, int]:
         arr = np.frombuffer(frame, dtype)  # type: ignore[call-overload]
         arr.flags.writeable = False  # a view on the received message: copy before writing
         arrays.append(arr)
-    traj = Trajectory(header, arrays[0], arrays[1], arrays[2], arrays[3])
+    routes = _decode_routes(header, frames[NUM_ARRAY_FRAMES:])
+    traj = Trajectory(header, arrays[0], arrays[1], arrays[2], arrays[3], routes)
     validate_values(traj)
     return traj, nbytes
+
+
+def _decode_routes(header: TrajectoryHeader, extra: Sequence[object]) -> np.ndarray | None:
+    """The routes frame as [T - 1, layers, top_k] (a view), present exactly when header.routes is set."""
+    spec = header.routes
+    if spec is None:
+        if extra:
+            raise FrameError(Reason.ROUTES, "a routes frame but header.routes is None")
+        return None
+    if not extra:
+        raise FrameError(Reason.ROUTES, f"header.routes {spec} but no routes frame")
+    try:
+        spec.check()
+    except ValueError as e:
+        raise FrameError(Reason.ROUTES, str(e)) from e
+    frame = extra[0]
+    if len(frame) != spec.nbytes(header.num_tokens):  # type: ignore[arg-type]
+        raise FrameError(Reason.ROUTES, f"routes frame of {len(frame)} bytes, header says "  # type: ignore[arg-type]
+                         f"{spec.shape(header.num_tokens)} x {spec.dtype}")  # fmt: skip
+    arr = np.frombuffer(frame, spec.dtype).reshape(spec.shape(header.num_tokens))  # type: ignore[call-overload]
+    arr.flags.writeable = False
+    return arr
 
 
 def validate_values(traj: Trajectory) -> None:
@@ -132,4 +161,4 @@ def validate_values(traj: Trajectory) -> None:
     try:
         traj.extras["oldest_version"] = traj.validated_oldest_version(arrays_checked=True)
     except ValueError as e:
-        raise FrameError(Reason.INVALID, str(e)) from e
+        raise FrameError(Reason.ROUTES if str(e).startswith("routes") else Reason.INVALID, str(e)) from e

@@ -26,6 +26,7 @@ class Reason(enum.StrEnum):
     MESSAGE_TOO_LARGE = "message_too_large"  # all frames together over max_message_bytes
     ARRAY_SIZE = "array_size"  # an array frame's length is not num_tokens * itemsize
     INVALID = "invalid"  # decoded fine but Trajectory.validate() failed (inconsistent values)
+    ROUTES = "routes"  # MoE routes that disagree with header.routes (frame size) or name impossible experts
     NO_SESSION = "no_session"  # data or ping from a connection that never said Hello (e.g. after a restart)
     NO_CREDIT = "no_credit"  # data beyond the credits the receiver granted
 

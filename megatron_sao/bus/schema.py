@@ -3,7 +3,8 @@
 Producers (rollout workers) build `Trajectory` objects; the bus codec sends the `TrajectoryHeader` as msgpack
 plus each per-token array as its own zero-copy frame; the learner receives `Trajectory` objects back.
 Every per-token array has the same length T = len(tokens) and covers the whole sequence (prompt, generated
-turns and observations). Bump SCHEMA_VERSION on any incompatible change.
+turns and observations). The optional routes (MoE routing replay) cover the T - 1 positions that predict a token.
+Bump SCHEMA_VERSION on any incompatible change.
 """
 
 from __future__ import annotations
@@ -46,6 +47,45 @@ class Timings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sent_at: float = 0.0  # handed to the bus (set by the sender)
 
 
+class Routes(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What the routes frame holds: for position p < T - 1 (the token at p, in the engine forward whose logits
+    predicted token p + 1), the `top_k` experts of each of the model's `num_layers` decoder layers, as SGLang's
+    `meta_info.routed_experts` gives them (layers without a router hold zeros there). Stored as uint8 for up to 256
+    experts, uint16 above: 1/4 or 1/2 of SGLang's int32."""
+
+    num_layers: int  # config.json num_hidden_layers (every decoder layer, dense ones included)
+    top_k: int  # num_experts_per_tok
+    num_experts: int  # routed experts per MoE layer: every id is below it
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.uint8) if self.num_experts <= 256 else np.dtype(np.uint16)
+
+    def shape(self, num_tokens: int) -> tuple[int, int, int]:
+        return (max(num_tokens - 1, 0), self.num_layers, self.top_k)
+
+    def nbytes(self, num_tokens: int) -> int:
+        rows, layers, k = self.shape(num_tokens)
+        return rows * layers * k * self.dtype.itemsize
+
+    @classmethod
+    def of_model(cls, hf: dict, num_experts: int) -> Routes:
+        """The routes of a model from its config.json (dict) and routed expert count."""
+        return cls(int(hf["num_hidden_layers"]), int(hf["num_experts_per_tok"]), int(num_experts))
+
+    def filler(self, rows: int) -> np.ndarray:
+        """Rows for positions no engine forward routed (a trailing observation): experts 0..top_k-1, distinct."""
+        return np.broadcast_to(np.arange(self.top_k, dtype=self.dtype), (rows, self.num_layers, self.top_k)).copy()
+
+    def check(self) -> None:
+        if self.num_layers < 1 or not 1 <= self.top_k <= self.num_experts <= MAX_EXPERTS:
+            raise ValueError(f"routes {self}: need num_layers >= 1 and 1 <= top_k <= num_experts <= {MAX_EXPERTS}")
+
+
+MAX_EXPERTS = 65536
+"""The most routed experts a layer may have for routes to travel (uint16 ids)."""
+
+
 class TrajectoryHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Everything but the per-token arrays; travels as one msgpack frame in front of them."""
 
@@ -62,6 +102,7 @@ class TrajectoryHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     worker_id: str  # rollout worker that ran the episode
     timings: Timings  # wall-clock marks
     metadata: dict[str, MetadataValue] = {}  # small task facts, e.g. {"env": "style", "style": "cute"}
+    routes: Routes | None = None  # the engine's MoE routing travels in one more frame (learner.routing_replay)
 
 
 ARRAY_DTYPES: dict[str, np.dtype] = {
@@ -82,6 +123,7 @@ class Trajectory:
     rollout_logprobs: np.ndarray  # float32 [T]: log-prob of each generated token under its weights; 0 elsewhere
     action_mask: np.ndarray  # bool [T]: True exactly on tokens the policy generated
     weight_versions: np.ndarray  # int32 [T]: weight version that generated each token; -1 on non-action tokens
+    routes: np.ndarray | None = None  # uint8/uint16 [T - 1, layers, top_k] when header.routes says so (Routes)
     extras: dict[str, object] = field(default_factory=dict)  # receiver-side annotations (never sent)
 
     @property
@@ -109,7 +151,8 @@ class Trajectory:
         """validate(), returning oldest_version() from the same pass over the arrays (the receiver's hot path).
 
         Checked: everything check_shapes() checks; action_mask True exactly on the turns' action ranges (hence
-        never in the prompt); token ids >= 0; finite log-probs and rewards; weight versions >= 0 on action tokens.
+        never in the prompt); token ids >= 0; finite log-probs and rewards; weight versions >= 0 on action tokens;
+        routes: every expert id below num_experts and no id twice among one position's top_k in one layer.
         Cost O(T) with a few numpy passes (the receiver runs it on every message). `arrays_checked`: the caller
         built the arrays with the right dtypes and lengths (codec.decode), so only the header part of
         check_shapes() runs.
@@ -135,6 +178,19 @@ class Trajectory:
                 raise ValueError(f"{name}: expected a 1-D {dtype} array, got {got}")
             if arr.shape[0] != n:
                 raise ValueError(f"{name}: length {arr.shape[0]} != header.num_tokens {n}")
+        self._check_routes_shape()
+
+    def _check_routes_shape(self) -> None:
+        spec, arr = self.header.routes, self.routes
+        if spec is None:
+            if arr is not None:
+                raise ValueError("routes: an array but header.routes is None (set it to the routes' Routes)")
+            return
+        spec.check()
+        want = spec.shape(self.header.num_tokens)
+        if not isinstance(arr, np.ndarray) or arr.dtype != spec.dtype or arr.shape != want:
+            got = f"{type(arr).__name__} {getattr(arr, 'dtype', '')} {getattr(arr, 'shape', '')}"
+            raise ValueError(f"routes: expected a {spec.dtype} array of shape {want} (T - 1, layers, top_k), got {got}")
 
     def _check_header(self) -> None:
         h = self.header
@@ -196,11 +252,31 @@ class Trajectory:
             raise ValueError("action_mask is True outside the turns' action ranges (prompt or observation tokens)")
         if int(_minimum(self.tokens)) < 0:
             raise ValueError("tokens: negative token id")
+        if self.routes is not None and self.routes.size:
+            _check_route_values(self.routes, self.header.routes.num_experts)  # type: ignore[union-attr]
         lp = self.rollout_logprobs
         # One BLAS pass: NaN and +-inf propagate into the dot product (so would |logprob| > 1.8e19, as absurd)
         if not math.isfinite(float(lp.dot(lp))):
             raise ValueError("rollout_logprobs: NaN, infinite or absurdly large (|x| > 1e19) value")
         return oldest
+
+
+def _check_route_values(routes: np.ndarray, num_experts: int) -> None:
+    """Expert ids in range and distinct within each (position, layer): a replayed duplicate would hand the token to
+    one expert twice, and the dispatcher's split sizes would no longer add up. Dense layers' all-zero rows pass (the
+    learner has no router there to replay)."""
+    if int(routes.max()) >= num_experts:
+        pos = int(np.argwhere(routes >= num_experts)[0][0])
+        raise ValueError(f"routes: expert id {int(routes.max())} >= num_experts {num_experts} (position {pos})")
+    if routes.shape[-1] < 2:
+        return
+    ordered = np.sort(routes, axis=-1)
+    same = ordered[..., 1:] == ordered[..., :-1]
+    zero_rows = ~ordered[..., -1].astype(bool)  # a layer without a router (all zeros)
+    bad = same.any(axis=-1) & ~zero_rows
+    if bad.any():
+        pos, layer = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"routes: position {pos} layer {layer} names one expert twice {routes[pos, layer].tolist()}")
 
 
 _minimum, _minimum_at = np.minimum.reduce, np.minimum.reduceat

@@ -11,6 +11,7 @@ with a spool, until the receiver acknowledges receipt); do not modify them after
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import secrets
 import threading
@@ -135,9 +136,7 @@ class TrajectorySender:
             traj.check_shapes()  # what encoding relies on; the values are checked by the receiver
         h = traj.header
         stamped = msgspec.structs.replace(h, timings=msgspec.structs.replace(h.timings, sent_at=time.time()))
-        frames = codec.encode(
-            Trajectory(stamped, traj.tokens, traj.rollout_logprobs, traj.action_mask, traj.weight_versions)
-        )
+        frames = codec.encode(dataclasses.replace(traj, header=stamped, extras={}))
         try:
             nbytes = codec.check_sizes(frames, self._limits)
         except codec.FrameError as e:

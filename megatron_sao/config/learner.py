@@ -80,6 +80,12 @@ class LearnerConfig(Section):
     the activations of a long micro-batch drop to a layer's worth at ~1/3 more compute. `python -m megatron_sao plan`
     shows what each needs."""
 
+    routing_replay: bool = False
+    """MoE routing replay (R3): the policy routes every token of a trajectory to the experts the engine routed it to
+    (rollout.return_routed_experts, set with it), in its forward and backward (megatron-core's
+    moe_enable_routing_replay); the router weights still get gradients through the gathered scores. The critic
+    routes by its own router (docs/learner.md "Routing replay")."""
+
     use_distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (megatron DistributedOptimizer)."""
 

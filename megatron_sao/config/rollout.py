@@ -154,6 +154,10 @@ class RolloutConfig(Section):
     """In-flight episodes per rollout worker."""
 
     max_turns: int = Field(default=4, ge=1)
+    return_routed_experts: bool = False
+    """Ask the engines for each token's MoE routing (SGLang's return_routed_experts; the engines are started with
+    --enable-return-routed-experts) and send it with the trajectory: the learner then logs routing/mismatch_frac,
+    how often its own router disagrees with the engine's. On whenever learner.routing_replay is."""
     max_total_tokens: int = Field(default=4096, gt=0)
     """Episode token limit (prompt + all turns); must not exceed model.max_seq_len."""
 

@@ -58,6 +58,11 @@ class SAOConfig(Section):
             kv = None if mla else int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
             self.parallel.check_attention_heads(int(hf["num_attention_heads"]), kv)
         num_experts = self.model.resolved_num_experts()
+        if self.learner.routing_replay:
+            if hf is not None and not num_experts:
+                raise ValueError(f"learner.routing_replay=true but {self.model.hf_path} is a dense model (no routed "
+                                 "experts): set learner.routing_replay=false")  # fmt: skip
+            self.rollout.return_routed_experts = True
         layouts = [self.parallel] + ([self.learner.value_parallel] if self.learner.value_parallel else [])
         for layout in layouts[1:]:
             if hf is not None and hf.get("num_attention_heads"):

@@ -177,10 +177,13 @@ class SGLangClient:
         *,
         rid: str | None = None,
         timeout_s: float | None = None,
+        routed_experts_start_len: int | None = None,
     ) -> P.GenerateResult:
-        """Token-in/token-out generation of one sequence with per-token log-probs and weight versions."""
+        """Token-in/token-out generation of one sequence with per-token log-probs and weight versions;
+        `routed_experts_start_len` set: with the experts of positions [it, seqlen - 1) too (check_routes first)."""
         rid = rid or uuid.uuid4().hex
-        body = P.build_generate_request(input_ids, sampling_params, rid=rid)
+        body = P.build_generate_request(input_ids, sampling_params, rid=rid,
+                                        routed_experts_start_len=routed_experts_start_len)  # fmt: skip
         timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
             out = self.request("POST", P.GENERATE, body, timeout_s=timeout)
@@ -188,7 +191,7 @@ class SGLangClient:
             self._abort_quietly(rid)
             raise EngineTimeout(f"{self.url}: request {rid} exceeded {timeout:.1f}s; aborted it") from e
         try:
-            return P.parse_generate_response(out)
+            return P.parse_generate_response(out, expect_routes=routed_experts_start_len is not None)
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
             raise EngineMalformedResponse(self.url, 200, f"{P.GENERATE}: {e!r} in {str(out)[:200]!r}") from e
 
@@ -233,6 +236,23 @@ class SGLangClient:
         """The weight-update protocol this engine speaks (from its /server_info version); ValueError when it does
         not say."""
         return P.ServerProtocol.from_server_info(self.server_info(), self.url)
+
+    def check_routes(self, multi_turn: bool) -> None:
+        """Refuse, naming what to change, an engine that cannot return routed experts (rollout.return_routed_experts):
+        a release before 0.5.7, a server started without --enable-return-routed-experts, or, for multi-turn episodes,
+        a release without routed_experts_start_len (0.5.8)."""
+        info = self.server_info()
+        proto = P.ServerProtocol.from_server_info(info, self.url)
+        off = "or set learner.routing_replay and rollout.return_routed_experts false"
+        if not proto.routed_experts:
+            raise ValueError(f"engine {self.url} runs SGLang {proto.version}, which cannot return routed experts "
+                             f"(0.5.7+): upgrade it, {off}")  # fmt: skip
+        if multi_turn and not proto.routed_experts_start:
+            raise ValueError(f"engine {self.url} runs SGLang {proto.version}: multi-turn routes need "
+                             f"routed_experts_start_len (0.5.8+): upgrade, use rollout.max_turns=1, {off}")  # fmt: skip
+        if not info.get("enable_return_routed_experts"):
+            raise ValueError(f"engine {self.url} was started without --enable-return-routed-experts: restart it "
+                             f"with the flag (`run` adds it to the engines it starts), {off}")  # fmt: skip
 
     def weight_version(self) -> int:
         """Current weight version: /model_info's weight_version, else the older /get_weight_version."""
@@ -429,7 +449,12 @@ class EngineRouter:
                 self._versions[c.url] = version
 
     def generate(
-        self, input_ids: list[int], sampling_params: dict[str, Any], *, timeout_s: float | None = None
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        *,
+        timeout_s: float | None = None,
+        routed_experts_start_len: int | None = None,
     ) -> tuple[P.GenerateResult, str]:
         """Generate on the least-loaded healthy engine that is not behind on weights, failing over; returns (result,
         engine url)."""
@@ -439,7 +464,8 @@ class EngineRouter:
             client = self._pick(tried)
             tried.add(client.url)
             try:
-                result = client.generate(input_ids, sampling_params, timeout_s=timeout_s)
+                result = client.generate(input_ids, sampling_params, timeout_s=timeout_s,
+                                         routed_experts_start_len=routed_experts_start_len)  # fmt: skip
             except (EngineUnavailable, EngineTimeout, EngineMalformedResponse) as e:
                 log.warning("engine %s failed (%s); re-issuing on another engine", client.url, e)
                 self._done(client, ok=False)

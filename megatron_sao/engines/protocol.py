@@ -21,9 +21,12 @@ Per-token facts of a finished /generate response:
 
 from __future__ import annotations
 
+import base64
 import math
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 # ---- endpoints --------------------------------------------------------------------------------------------------
 GENERATE = "/generate"
@@ -75,8 +78,10 @@ def build_generate_request(
     *,
     rid: str | None = None,
     return_logprob: bool = True,
+    routed_experts_start_len: int | None = None,
 ) -> dict[str, Any]:
-    """The JSON body of a token-in/token-out /generate call (one sequence, not streamed)."""
+    """The JSON body of a token-in/token-out /generate call (one sequence, not streamed). `routed_experts_start_len`
+    set: also ask for the routed experts of positions [it, seqlen - 1) (SGLang's return_routed_experts)."""
     unknown = set(sampling_params) - set(SAMPLING_PARAM_FIELDS)
     if unknown:
         raise ValueError(f"unsupported sampling params {sorted(unknown)}; allowed: {SAMPLING_PARAM_FIELDS}")
@@ -90,6 +95,12 @@ def build_generate_request(
     }
     if rid is not None:
         body["rid"] = rid
+    if routed_experts_start_len is not None:
+        if not 0 <= routed_experts_start_len <= len(input_ids):
+            raise ValueError(f"routed_experts_start_len={routed_experts_start_len} outside [0, {len(input_ids)}]")
+        body["return_routed_experts"] = True
+        if routed_experts_start_len:  # the field exists from 0.5.8 on; 0 is its default
+            body["routed_experts_start_len"] = routed_experts_start_len
     return body
 
 
@@ -121,6 +132,7 @@ class GenerateResult:
     weight_version: int  # server version when the request finished
     prompt_tokens: int
     text: str | None = None
+    routed_experts: np.ndarray | None = None  # int32, flat: [seqlen - 1 - start_len, layers, top_k] when asked for
 
     @property
     def aborted(self) -> bool:
@@ -141,8 +153,11 @@ def _per_token_versions(meta: dict[str, Any], n: int) -> list[int]:
     return versions  # type: ignore[return-value]
 
 
-def parse_generate_response(body: dict[str, Any], *, expect_logprobs: bool = True) -> GenerateResult:
-    """Parse a non-streamed single /generate response; ValueError names what is missing or inconsistent."""
+def parse_generate_response(
+    body: dict[str, Any], *, expect_logprobs: bool = True, expect_routes: bool = False
+) -> GenerateResult:
+    """Parse a non-streamed single /generate response; ValueError names what is missing or inconsistent.
+    `expect_routes`: the request asked for return_routed_experts (an aborted request may carry none)."""
     if "error" in body:
         raise ValueError(f"engine error: {body['error']}")
     meta = body.get("meta_info")
@@ -182,7 +197,22 @@ def parse_generate_response(body: dict[str, Any], *, expect_logprobs: bool = Tru
         weight_version=version_to_int(meta.get("weight_version")),
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         text=body.get("text"),
+        routed_experts=_routed_experts(meta, expect_routes and reason["type"] != "abort"),
     )
+
+
+def _routed_experts(meta: dict[str, Any], expected: bool) -> np.ndarray | None:
+    """meta_info.routed_experts: base64 of little-endian int32 (SGLang's detokenizer encodes the tensor's bytes)."""
+    raw = meta.get("routed_experts")
+    if raw is None:
+        if expected:
+            raise ValueError("meta_info.routed_experts missing though return_routed_experts was sent: start the "
+                             "server with --enable-return-routed-experts (SGLang >= 0.5.7)")  # fmt: skip
+        return None
+    data = base64.b64decode(raw, validate=True)
+    if len(data) % 4:
+        raise ValueError(f"meta_info.routed_experts holds {len(data)} bytes, not a whole number of int32")
+    return np.frombuffer(data, dtype="<i4")
 
 
 # ---- the weight-update protocol, by server version ----------------------------------------------------------------
@@ -190,6 +220,8 @@ def parse_generate_response(body: dict[str, Any], *, expect_logprobs: bool = Tru
 #   0.5.6   /update_weights_from_distributed takes load_format="flattened_bucket" (one uint8 buffer, one broadcast);
 #           /pause_generation takes mode abort|retract|in_place (before: it always aborts every request);
 #           /server_info (before: /get_server_info) and /weights_checker appear.
+#   0.5.7   /generate's return_routed_experts -> meta_info.routed_experts (with --enable-return-routed-experts).
+#   0.5.8   routed_experts_start_len (absent in 0.5.7).
 #   0.5.19  /generate's meta_info.weight_versions: per-token version spans.
 #   0.5.21  updates must run inside a session: /begin_weight_update ... /end_weight_update ("must run between").
 #   0.5.22  a cache flush refused because requests run fails the update call ("Weights were updated, but the cache
@@ -201,6 +233,8 @@ SERVER_INFO_SINCE = (0, 5, 6)
 VERSION_SPANS_SINCE = (0, 5, 19)
 SESSION_SINCE = (0, 5, 21)
 FLUSH_REFUSAL_FAILS_SINCE = (0, 5, 22)
+ROUTED_EXPERTS_SINCE = (0, 5, 7)  # /generate return_routed_experts, server flag --enable-return-routed-experts
+ROUTED_EXPERTS_START_SINCE = (0, 5, 8)  # routed_experts_start_len: routes of a later turn's new positions only
 EMBEDDED_ENGINE = "megatron_sao.embedded"
 """/server_info's "engine" of the embedded CPU engine (it also reports the SGLang version whose rules it follows)."""
 
@@ -274,6 +308,14 @@ class ServerProtocol:
         """Takes load_format="sharded_bucket" (each rank its own slices): the embedded engine, where flattened
         buckets exist; a real SGLang server never (docs/weight_sync.md "Shard-aware pushes")."""
         return self.embedded and self.flattened_bucket
+
+    @property
+    def routed_experts(self) -> bool:
+        return self.release >= ROUTED_EXPERTS_SINCE
+
+    @property
+    def routed_experts_start(self) -> bool:
+        return self.release >= ROUTED_EXPERTS_START_SINCE
 
     @property
     def staged(self) -> bool:

@@ -47,6 +47,8 @@ def sglang_command(
     cmd += ["--weight-version", sg.weight_version, "--base-gpu-id", str(base_gpu_id)]
     if sg.skip_tokenizer_init:
         cmd.append("--skip-tokenizer-init")
+    if rollout.return_routed_experts and "--enable-return-routed-experts" not in sg.extra_args:
+        cmd.append("--enable-return-routed-experts")
     cmd += span_args("rollout.sglang", sg.nnodes, node_rank, dist_init_host, sg.dist_init_port + index)
     return cmd + list(sg.extra_args)
 
@@ -83,6 +85,8 @@ def embedded_command(
         cmd += ["--context-length", str(em.context_length)]
     if em.tp > 1:
         cmd += ["--tp-size", str(em.tp)]
+    if rollout.return_routed_experts:
+        cmd.append("--enable-return-routed-experts")
     cmd += span_args("rollout.embedded", em.nnodes, node_rank, dist_init_host, em.dist_init_port + index)
     return cmd
 

@@ -3,7 +3,10 @@
 Sequence layout: [prompt | a_0 | o_0 | a_1 | o_1 | ... | a_n]. a_i are the tokens an engine generated for turn i,
 appended exactly as returned (never re-tokenized); o_i are observation tokens (tool / environment output wrapped by
 the chat template). Per token: `action_mask` is True exactly on a_i; `rollout_logprobs` is the engine's log-prob of
-an action token (0 elsewhere); `weight_versions` the version that generated it (-1 elsewhere).
+an action token (0 elsewhere); `weight_versions` the version that generated it (-1 elsewhere). With routes
+(AgentLoopConfig.routes), each turn asks the engine for the experts of the positions it forwards that no earlier turn
+did (routed_experts_start_len = the rows so far), so the trajectory's routes are those of the forwards that produced
+its log-probs: row p is position p's routing, T - 1 rows.
 The episode ends when the environment says done (finish_reason = the last turn's stop/length), after `max_turns`
 turns (turn_limit) or when the next turn or observation would exceed `max_total_tokens` (token_limit).
 """
@@ -16,14 +19,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgspec
 import numpy as np
 
-from megatron_sao.bus.schema import SCHEMA_VERSION, Timings, Trajectory, TrajectoryHeader, Turn
+from megatron_sao.bus.schema import SCHEMA_VERSION, Routes, Timings, Trajectory, TrajectoryHeader, Turn
 from megatron_sao.engines.protocol import GenerateResult
 from megatron_sao.rollout.envs.base import Environment, Episode
 
-GenerateFn = Callable[[list[int], dict[str, Any]], tuple[GenerateResult, str]]
-"""(input_ids, sampling_params) -> (result, engine id); EngineRouter.generate fits."""
+GenerateFn = Callable[..., tuple[GenerateResult, str]]
+"""(input_ids, sampling_params[, routed_experts_start_len=n]) -> (result, engine id); EngineRouter.generate fits."""
 
 
 class EpisodeAborted(RuntimeError):
@@ -88,6 +92,7 @@ class AgentLoopConfig:
     max_turns: int = 4
     max_total_tokens: int = 4096
     sampling: dict[str, Any] = field(default_factory=lambda: {"temperature": 1.0, "max_new_tokens": 1024})
+    routes: Routes | None = None  # ask for and carry the engines' MoE routes (rollout.return_routed_experts)
 
 
 @dataclass
@@ -96,6 +101,24 @@ class _Buffers:
     logprobs: list[float]
     mask: list[bool]
     versions: list[int]
+    routes: list[np.ndarray] = field(default_factory=list)  # [n, layers, top_k] pieces: rows of positions 0, 1, ...
+
+    @property
+    def routed(self) -> int:
+        return sum(len(r) for r in self.routes)
+
+    def add_routes(self, raw: np.ndarray | None, spec: Routes, new_tokens: int, engine: str) -> None:
+        """A turn's routed_experts (flat int32 of the positions from `routed` to the sequence's last but one)."""
+        rows = len(self.tokens) + new_tokens - 1 - self.routed
+        width = spec.num_layers * spec.top_k
+        if raw is None or raw.size != rows * width:
+            got = "none" if raw is None else f"{raw.size} ids"
+            raise ValueError(f"engine {engine} returned {got} routed experts; expected {rows} positions x "
+                             f"{spec.num_layers} layers x top_k {spec.top_k} (serving model.hf_path?)")  # fmt: skip
+        if raw.size and (int(raw.min()) < 0 or int(raw.max()) >= spec.num_experts):
+            raise ValueError(f"engine {engine} routed to expert {int(raw.max())} (or {int(raw.min())}), outside the "
+                             f"model's {spec.num_experts} experts")  # fmt: skip
+        self.routes.append(raw.astype(spec.dtype).reshape(rows, spec.num_layers, spec.top_k))
 
     def add(self, ids: list[int], logprobs: list[float] | None = None, versions: list[int] | None = None) -> None:
         action = logprobs is not None
@@ -135,12 +158,18 @@ class AgentLoop:
             timings=Timings(started_at=started, finished_at=time.time()),
             metadata={**episode.metadata, "weight_version": episode.weight_version, "num_turns": len(turns)},
         )
+        routes = None
+        if self.cfg.routes is not None:
+            header = msgspec.structs.replace(header, routes=self.cfg.routes)
+            missing = len(buf.tokens) - 1 - buf.routed  # positions after the last forward (a trailing observation)
+            routes = np.concatenate([*buf.routes, self.cfg.routes.filler(missing)])
         traj = Trajectory(
             header=header,
             tokens=np.asarray(buf.tokens, dtype=np.int32),
             rollout_logprobs=np.asarray(buf.logprobs, dtype=np.float32),
             action_mask=np.asarray(buf.mask, dtype=np.bool_),
             weight_versions=np.asarray(buf.versions, dtype=np.int32),
+            routes=routes,
         )
         traj.validate()
         return traj
@@ -155,10 +184,13 @@ class AgentLoop:
             sampling = dict(self.cfg.sampling)
             sampling["max_new_tokens"] = min(int(sampling.get("max_new_tokens", budget)), budget)
             t0 = time.monotonic()
-            result, engine = self.generate(list(buf.tokens), sampling)
+            routes = {} if self.cfg.routes is None else {"routed_experts_start_len": buf.routed}
+            result, engine = self.generate(list(buf.tokens), sampling, **routes)
             gen_s = time.monotonic() - t0
             if result.aborted:
                 raise EpisodeAborted(f"engine {engine} aborted the turn: {result.finish_reason}")
+            if self.cfg.routes is not None:
+                buf.add_routes(result.routed_experts, self.cfg.routes, len(result.output_ids), engine)
             start = len(buf.tokens)
             buf.add(result.output_ids, result.logprobs, result.versions)
             t1 = time.monotonic()

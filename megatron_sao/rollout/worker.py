@@ -571,13 +571,20 @@ def worker_from_config(
         raise ValueError(f"prompt shard {index}/{count} is empty: {count} workers for fewer prompts; run fewer workers")
     clients = [SGLangClient(u, timeout_s=r.request_timeout_s, retry=RetryPolicy(r.max_retries)) for u in engine_urls]
     router = EngineRouter(clients)
+    routes = None
+    if r.return_routed_experts:
+        from megatron_sao.bus.schema import Routes
+
+        routes = Routes.of_model(cfg.model.hf_config_dict() or {}, cfg.model.resolved_num_experts() or 0)
+        for client in clients:  # refuse, naming the fix, an engine that cannot return them
+            client.check_routes(multi_turn=r.max_turns > 1)
     sampling = {"temperature": r.sampling.temperature, "top_p": r.sampling.top_p, "top_k": r.sampling.top_k,
                 "max_new_tokens": r.sampling.max_new_tokens}  # fmt: skip
     loop = AgentLoop(
         env,
         ChatTemplateCodec(AutoTokenizer.from_pretrained(cfg.model.hf_path)),
         router.generate,
-        AgentLoopConfig(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, sampling=sampling),
+        AgentLoopConfig(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, sampling=sampling, routes=routes),
     )
     cursor_file = "rollout_cursor.json" if worker_id == "rollout-0" else f"rollout_cursor_{worker_id}.json"
     wcfg = WorkerConfig(

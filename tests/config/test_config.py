@@ -212,3 +212,21 @@ def test_pipeline_split_errors_name_the_fields() -> None:
         ParallelConfig(pipeline=4).stage_layers(3)
     with pytest.raises(ValueError, match="need parallel.pipeline > 1"):
         ParallelConfig(first_stage_layers=2).stage_layers(4)
+
+
+def test_routing_replay_asks_the_engines_for_routes_and_refuses_a_dense_model(tmp_path):
+    from megatron_sao.engines.sglang_launcher import embedded_command, sglang_command
+
+    moe = ROOT / "examples" / "qwen3_30b" / "hf_config.json"
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe" / "config.json").write_text(moe.read_text())
+    cfg = load_config(None, [f"--model.hf_path={tmp_path / 'moe'}", "--learner.routing_replay=true"])
+    assert cfg.rollout.return_routed_experts
+    assert "--enable-return-routed-experts" in sglang_command(cfg.rollout, "m", 0, "h")
+    assert "--enable-return-routed-experts" in embedded_command(cfg.rollout, "m", 0, "h")
+    assert "--enable-return-routed-experts" not in embedded_command(load_config().rollout, "m", 0, "h")
+    dense = {k: v for k, v in json.loads(moe.read_text()).items() if k not in ("num_experts", "num_local_experts")}
+    (tmp_path / "dense").mkdir()
+    (tmp_path / "dense" / "config.json").write_text(json.dumps(dense))
+    with pytest.raises(ConfigError, match="learner.routing_replay=true but .* is a dense model"):
+        load_config(None, [f"--model.hf_path={tmp_path / 'dense'}", "--learner.routing_replay=true"])

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,12 +29,11 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return dirs
 
 
-@pytest.fixture(scope="session")
-def engine_url(tiny_dirs: dict[str, Path]) -> Iterator[str]:
-    """An embedded engine on qwen3_moe served from a thread of the test process."""
+def serve_in_thread(model_dir: Path, max_running: int = 64, **kwargs: Any) -> Iterator[str]:
+    """An embedded engine served from a thread of the test process (build_state's keyword arguments)."""
     from megatron_sao.engines.embedded.server import build_state, make_server
 
-    state = build_state(str(tiny_dirs["qwen3_moe"]), max_running=64)
+    state = build_state(str(model_dir), max_running=max_running, **kwargs)
     server = make_server(state, "127.0.0.1", 0)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
     thread.start()
@@ -41,6 +41,18 @@ def engine_url(tiny_dirs: dict[str, Path]) -> Iterator[str]:
     server.shutdown()
     server.server_close()
     state.scheduler.stop()
+
+
+@pytest.fixture(scope="session")
+def engine_url(tiny_dirs: dict[str, Path]) -> Iterator[str]:
+    """An embedded engine on qwen3_moe served from a thread of the test process."""
+    yield from serve_in_thread(tiny_dirs["qwen3_moe"])
+
+
+@pytest.fixture(scope="session")
+def routed_engine_url(tiny_dirs: dict[str, Path]) -> Iterator[str]:
+    """The same, started with --enable-return-routed-experts."""
+    yield from serve_in_thread(tiny_dirs["qwen3_moe"], enable_return_routed_experts=True)
 
 
 class EngineProc:

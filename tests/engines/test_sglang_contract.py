@@ -28,7 +28,7 @@ from tests.engines import sglang_source
 # io_struct.py `class GenerateReqInput` (dataclass) -- the request fields this project may send.
 GENERATE_REQ_INPUT_FIELDS = frozenset(
     {"rid", "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
-     "return_text_in_logprobs", "stream"}
+     "return_text_in_logprobs", "stream", "return_routed_experts", "routed_experts_start_len"}
 )  # fmt: skip
 # api/v1/api_types.py `class SamplingParams` ("unknown keys rejected"): the full key set of 0.5.23.
 SGLANG_SAMPLING_PARAMS = frozenset(
@@ -46,7 +46,8 @@ RESPONSE_KEYS_SKIP_TOKENIZER = frozenset({"output_ids", "meta_info"})
 # output_token_logprobs_length), weight_versions.py `add_weight_versions_to_meta_info` (weight_versions).
 META_INFO_KEYS = frozenset(
     {"id", "finish_reason", "prompt_tokens", "weight_version", "completion_tokens", "cached_tokens",
-     "input_token_logprobs", "output_token_logprobs", "output_token_logprobs_length", "weight_versions"}
+     "input_token_logprobs", "output_token_logprobs", "output_token_logprobs_length", "weight_versions",
+     "routed_experts"}
 )  # fmt: skip
 # schedule_batch.py: FINISH_MATCHED_TOKEN / FINISH_MATCHED_STR .to_json -> {"type": "stop", "matched"},
 # FINISH_LENGTH -> {"type": "length", "length"},
@@ -319,3 +320,22 @@ def test_versions_decide_the_protocol() -> None:
     assert P.ServerProtocol.from_server_info({"version": "0.5.23", "engine": P.EMBEDDED_ENGINE}).staged
     with pytest.raises(ValueError, match="carries no 'version'"):
         P.ServerProtocol.from_server_info({}, "http://x:1")
+
+
+def test_routed_experts_follow_sglang_s_fields_flag_and_format() -> None:
+    """GenerateReqInput's return_routed_experts / routed_experts_start_len (defaults False / 0), the server flag,
+    meta_info["routed_experts"] as base64 of the int32 capture buffer's bytes, rows [start_len, seqlen - 1)."""
+    fields = sglang_source.class_fields(IO, "GenerateReqInput")
+    assert ast.literal_eval(fields["return_routed_experts"].value) is False
+    assert ast.literal_eval(fields["routed_experts_start_len"].value) == 0
+    assert "enable_return_routed_experts" in sglang_source.source("srt/arg_groups/fields/exec_.py")
+    tm = sglang_source.source("srt/managers/tokenizer_manager.py")
+    assert 'meta_info["routed_experts"] = val' in tm and "pybase64.b64encode(val.numpy().tobytes())" in tm
+    assert "dtype=torch.int32" in sglang_source.source("srt/state_capturer/base.py")
+    assert "[start_len : seqlen - 1]" in sglang_source.source("srt/state_capturer/base.py")
+    proto = P.ServerProtocol(sglang_source.PINNED)
+    assert proto.routed_experts and proto.routed_experts_start
+    assert not P.ServerProtocol("0.5.6").routed_experts and not P.ServerProtocol("0.5.7").routed_experts_start
+    body = P.build_generate_request([1, 2, 3], {"max_new_tokens": 2}, routed_experts_start_len=2)
+    assert set(body) <= set(fields) and body["return_routed_experts"] is True and body["routed_experts_start_len"] == 2
+    assert "routed_experts_start_len" not in P.build_generate_request([1], {}, routed_experts_start_len=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -167,3 +168,52 @@ def test_rollout_logprobs_on_a_real_engine_align_with_a_full_forward(
     ref = logp[idx - 1, torch.tensor(traj.tokens[idx], dtype=torch.long)].numpy()
     assert np.abs(ref - traj.rollout_logprobs[idx]).max() <= 1e-4
     assert (traj.weight_versions[idx] == 0).all() and (traj.weight_versions[~traj.action_mask] == -1).all()
+
+
+def test_multi_turn_routes_are_those_of_the_forwards_that_made_the_logprobs(
+    routed_engine_url: str, tiny_dirs: dict[str, Path]
+) -> None:
+    """Each turn asks only for the positions no earlier turn forwarded (routed_experts_start_len); together they
+    are the T - 1 rows of the trajectory, equal to the routers' top-k in one full forward (the weights did not
+    change), and the trajectory crosses the bus."""
+    from megatron_sao.bus import codec
+    from megatron_sao.bus.schema import Routes
+    from megatron_sao.engines.client import SGLangClient
+    from tests.bus.test_routes import LIMITS
+    from tests.engines.test_routes import reference_routes
+
+    hf = json.loads((tiny_dirs["qwen3_moe"] / "config.json").read_text())
+    spec = Routes.of_model(hf, hf.get("num_experts") or hf["num_local_experts"])
+    client = SGLangClient(routed_engine_url)
+    starts: list[int] = []
+
+    def generate(ids: list[int], sampling: dict[str, Any], **kw: Any) -> tuple[GenerateResult, str]:
+        starts.append(kw["routed_experts_start_len"])
+        return client.generate(ids, sampling, **kw), client.url
+
+    sampling = {"temperature": 0.0, "max_new_tokens": 5, "ignore_eos": True}
+    traj = AgentLoop(EchoEnv(), ChatTemplateCodec(TOK), generate, AgentLoopConfig(sampling=sampling, routes=spec)).run(
+        {"id": "x", "prompt": "hello"}
+    )
+    turns = traj.header.turns
+    assert len(turns) == 3 and starts == [0, turns[0].action_end - 1, turns[1].action_end - 1]
+    assert traj.routes.shape == (traj.header.num_tokens - 1, spec.num_layers, spec.top_k)
+    assert traj.routes.dtype == np.uint8 and traj.header.routes == spec
+    ref = reference_routes(tiny_dirs["qwen3_moe"], traj.tokens.tolist())[:-1]
+    assert (np.sort(ref, -1) == np.sort(traj.routes.astype(np.int32), -1)).all()
+    got, _ = codec.decode([bytes(f) for f in codec.encode(traj)], LIMITS)
+    np.testing.assert_array_equal(got.routes, traj.routes)
+
+
+def test_routes_of_the_wrong_model_are_refused_naming_the_engine() -> None:
+    from megatron_sao.bus.schema import Routes
+
+    spec = Routes(num_layers=2, top_k=2, num_experts=4)
+
+    def generate(ids: list[int], sampling: dict[str, Any], **kw: Any) -> tuple[GenerateResult, str]:
+        ids3 = np.zeros(3, dtype=np.int32)  # 3 ids: not positions x 2 layers x 2
+        return GenerateResult("r", [5], [-0.1], [0], "stop", {"type": "stop"}, 0, len(ids), routed_experts=ids3), "e"
+
+    with pytest.raises(ValueError, match="engine e returned 3 ids routed experts"):
+        AgentLoop(make_env("verifiable_answer"), ChatTemplateCodec(TOK), generate,
+                  AgentLoopConfig(routes=spec)).run({"id": "p", "question": "q?", "answer": "8"})  # fmt: skip

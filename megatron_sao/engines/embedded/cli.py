@@ -44,6 +44,9 @@ def parser() -> argparse.ArgumentParser:
         help="where the engine's ranks meet (node 0's address); default on one node: a free local port",
     )
     p.add_argument("--tp-rank", type=int, default=None, help=argparse.SUPPRESS)  # the node's other ranks (started here)
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="capture each token's experts in every MoE layer; requests with return_routed_experts get "
+                   "meta_info.routed_experts (SGLang's flag and format)")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -122,6 +125,7 @@ def main(argv: list[str]) -> int:
         session_timeout_s=args.weight_session_timeout,
         tp_store=store,
         tp_layout=layout,
+        enable_return_routed_experts=args.enable_return_routed_experts,
     )
     serve(state, args.host, args.port)
     return 0

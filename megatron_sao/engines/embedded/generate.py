@@ -3,16 +3,22 @@ embedded/; called by embedded/server.py, feeds embedded/scheduler.py).
 
 Accepted: `input_ids` (one list, or a list of lists for a batch) or, when the engine has a tokenizer, `text`;
 `sampling_params` with the keys in SUPPORTED below; `return_logprob`, `return_text_in_logprobs`, `rid`,
-`logprob_start_len` (-1 only), `top_logprobs_num` (0 only), `stream` (false only). SGLang keys the engine cannot
+`logprob_start_len` (-1 only), `top_logprobs_num` (0 only), `stream` (false only), `return_routed_experts` and
+`routed_experts_start_len` (SGLang's routing capture: with --enable-return-routed-experts, meta_info.routed_experts
+is base64 of int32 [seqlen - 1 - start_len, num_hidden_layers, top_k], the experts of positions [start_len,
+seqlen - 1); without the flag SGLang returns none and neither does this engine). SGLang keys the engine cannot
 honour (stop strings, grammars, penalties, n > 1, ...) are rejected with a 400 naming the key, never ignored.
 """
 
 from __future__ import annotations
 
+import base64
 import math
 import time
 import uuid
 from typing import Any
+
+import torch
 
 from megatron_sao.engines.embedded.model_runner import SamplingParams
 from megatron_sao.engines.embedded.scheduler import Request, Scheduler
@@ -31,7 +37,7 @@ TEXT_ONLY = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_tr
 NEUTRAL_DEFAULTS = {"n": 1, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
                     "min_new_tokens": 0, "stop": None, "regex": None, "json_schema": None, "ebnf": None}  # fmt: skip
 TOP_LEVEL = {"input_ids", "text", "sampling_params", "return_logprob", "return_text_in_logprobs", "rid", "stream",
-             "logprob_start_len", "top_logprobs_num"}  # fmt: skip
+             "logprob_start_len", "top_logprobs_num", "return_routed_experts", "routed_experts_start_len"}  # fmt: skip
 
 
 def sampling_from_json(sp: dict[str, Any], vocab_size: int) -> SamplingParams:
@@ -96,7 +102,7 @@ class GenerateHandler:
         out = [self._response(r, opts, time.monotonic() - t0) for r in reqs]
         return 200, out[0] if single else out
 
-    def _parse(self, body: dict[str, Any]) -> tuple[list[Request], dict[str, bool], bool]:
+    def _parse(self, body: dict[str, Any]) -> tuple[list[Request], dict[str, Any], bool]:
         unknown = set(body) - TOP_LEVEL
         if unknown:
             raise ValueError(f"/generate fields {sorted(unknown)} are not supported by the embedded engine")
@@ -116,11 +122,18 @@ class GenerateHandler:
             rids = [rids] if single else [f"{rids}_{i}" for i in range(len(batch))]
         if not len(sps) == len(rids) == len(batch):
             raise ValueError("sampling_params / rid lists must have one entry per input")
+        routes = bool(body.get("return_routed_experts")) and self.scheduler.runner.routes is not None
+        start = body.get("routed_experts_start_len") or 0
+        if not isinstance(start, int) or isinstance(start, bool):
+            raise ValueError(f"routed_experts_start_len={start!r} must be an integer")
         reqs = []
         for ids, sp, rid in zip(batch, sps, rids):
             self._check_ids(ids)
-            reqs.append(Request(str(rid), list(ids), sampling_from_json(sp, self.vocab_size)))
-        opts = {"logprob": bool(body.get("return_logprob")), "text": bool(body.get("return_text_in_logprobs"))}
+            if body.get("return_routed_experts") and not 0 <= start <= len(ids):  # SGLang's scheduler checks
+                raise ValueError(f"routed_experts_start_len={start} must be in [0, {len(ids)}] (the input tokens)")
+            reqs.append(Request(str(rid), list(ids), sampling_from_json(sp, self.vocab_size), return_routes=routes))
+        opts = {"logprob": bool(body.get("return_logprob")), "text": bool(body.get("return_text_in_logprobs")),
+                "routes_from": start}  # fmt: skip
         return reqs, opts, single
 
     def _input_batch(self, body: dict[str, Any]) -> list:
@@ -152,7 +165,7 @@ class GenerateHandler:
         if len(ids) >= ctx:
             raise ValueError(f"The input ({len(ids)} tokens) is longer than the model's context length ({ctx} tokens).")
 
-    def _response(self, r: Request, opts: dict[str, bool], latency: float) -> dict[str, Any]:
+    def _response(self, r: Request, opts: dict[str, Any], latency: float) -> dict[str, Any]:
         n = len(r.output_ids)
         current = r.output_versions[-1] if r.output_versions else self.scheduler.weight_version
         meta: dict[str, Any] = {
@@ -172,6 +185,9 @@ class GenerateHandler:
             meta["input_token_logprobs"] = []
             meta["output_token_logprobs"] = [[lp, t, s] for lp, t, s in zip(r.output_logprobs, r.output_ids, texts)]
             meta["output_token_logprobs_length"] = n
+        if r.return_routes and r.routes:
+            rows = torch.cat(r.routes)[opts["routes_from"] : len(r.input_ids) + n - 1]
+            meta["routed_experts"] = base64.b64encode(rows.contiguous().numpy().tobytes()).decode("ascii")
         out: dict[str, Any] = {"output_ids": list(r.output_ids), "meta_info": meta}
         if self.tokenizer is not None:
             out["text"] = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)

@@ -9,11 +9,13 @@ distribution **before** top-k / top-p / min-p truncation; for a greedy request (
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -177,14 +179,51 @@ def build_mask(starts: list[int], q_len: int, kv_len: int, dtype: torch.dtype) -
     return mask.unsqueeze(1)
 
 
+class RouteCapture:
+    """SGLang's `--enable-return-routed-experts` in the embedded engine: a forward hook on every MoE layer's router
+    (`model.layers[i].mlp.gate`; transformers' routers return (logits, top-k weights, top-k ids)) records the top-k
+    expert ids of each token of a forward. `take(b, q)` hands them over as int32 [b, q, num_hidden_layers, top_k],
+    zeros on layers without a router (what SGLang's capture buffer holds there)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        cfg = model.config
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
+        self._seen: dict[int, torch.Tensor] = {}
+        hooked = 0
+        for i, layer in enumerate(model.model.layers):
+            gate = getattr(getattr(layer, "mlp", None), "gate", None)
+            if gate is not None and getattr(gate, "top_k", None) == self.top_k:
+                gate.register_forward_hook(functools.partial(self._record, i))
+                hooked += 1
+        if not hooked:
+            raise ValueError(f"--enable-return-routed-experts: {type(model).__name__} has no MoE router to capture "
+                             "(a dense model routes nothing; serve it without the flag)")  # fmt: skip
+
+    def _record(self, layer: int, _module: torch.nn.Module, _inputs: Any, output: Any) -> None:
+        self._seen[layer] = output[2].detach()
+
+    def take(self, b: int, q: int) -> torch.Tensor:
+        out = torch.zeros(b * q, self.num_layers, self.top_k, dtype=torch.int32)
+        for layer, ids in self._seen.items():
+            out[:, layer] = ids.reshape(b * q, self.top_k)
+        self._seen.clear()
+        return out.view(b, q, self.num_layers, self.top_k)
+
+
 class ModelRunner:
     """Runs forward passes of one HF causal LM over a SlotKVCache."""
 
     def __init__(
-        self, model: torch.nn.Module, mirror: Callable[[list[int], list[int], torch.Tensor], None] | None = None
+        self,
+        model: torch.nn.Module,
+        mirror: Callable[[list[int], list[int], torch.Tensor], None] | None = None,
+        capture_routes: bool = False,
     ) -> None:
         self.model = model
         self.mirror = mirror  # at --tp-size > 1: hands the forward to the other ranks first (embedded/tp.py)
+        self.routes = RouteCapture(model) if capture_routes else None
+        self.last_routes: torch.Tensor | None = None  # int32 [B, q, layers, top_k] of the last forward (capture on)
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = int(model.config.vocab_size)
         params = inspect.signature(model.forward).parameters
@@ -206,6 +245,8 @@ class ModelRunner:
             logits_to_keep=1,
             **{self._cache_kw: cache},
         )
+        if self.routes is not None:
+            self.last_routes = self.routes.take(b, q)
         return out.logits[:, -1, :].float()
 
 

@@ -40,6 +40,8 @@ class Request:
     slot: int | None = None
     kv_len: int = 0  # tokens of this request held in its slot
     generator: torch.Generator | None = None
+    return_routes: bool = False  # return_routed_experts: keep each forwarded position's experts (capture on)
+    routes: list[torch.Tensor] = field(default_factory=list)  # int32 [n, layers, top_k] pieces, position order
     created_at: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -256,6 +258,8 @@ class Scheduler:
             if req.slot is None:  # aborted meanwhile
                 return
             req.kv_len = len(tokens)
+            if req.return_routes and self.runner.last_routes is not None:  # a retract recomputes every position
+                req.routes = [self.runner.last_routes[0]]
             self._append([req], logits)
 
     def _decode(self, batch: list[Request]) -> None:
@@ -269,8 +273,11 @@ class Scheduler:
         self.stats["decode_steps"] += 1
         with self._cv:
             live = [(i, r) for i, r in enumerate(batch) if r.slot is not None]
-            for _, r in live:
+            routes = self.runner.last_routes
+            for i, r in live:
                 r.kv_len += 1
+                if r.return_routes and routes is not None:
+                    r.routes.append(routes[i])
             if live:
                 self._append([r for _, r in live], logits[[i for i, _ in live]])
 

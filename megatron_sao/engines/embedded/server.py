@@ -132,6 +132,7 @@ class EngineState:
             "version": self.protocol.version,
             "tp_size": self.tp_size,
             "dp_size": 1,
+            "enable_return_routed_experts": self.scheduler.runner.routes is not None,  # a server argument, as SGLang's
             "load": self.scheduler.load(),
             "weight_update_groups": {k: dict(v, names=list(v["names"])) for k, v in self.updater.traffic.items()},
             "weight_update_order": list(self.updater.order[-ORDER_SHOWN:]),
@@ -355,6 +356,7 @@ def build_state(
     session_timeout_s: float = 300.0,
     tp_store: Any = None,
     tp_layout: TPLayout | None = None,
+    enable_return_routed_experts: bool = False,
 ) -> EngineState:
     """Load the model (and tokenizer unless skipped or absent) and start the scheduler thread. At --tp-size > 1 this
     is rank 0 (embedded/tp.py): the ranks joined `tp_store`; the model is sharded over them, and once every rank has
@@ -375,7 +377,7 @@ def build_state(
             peers.send("step", "forward", slots=slots, starts=starts, input_ids=ids)
 
     scheduler = Scheduler(
-        ModelRunner(model, mirror),
+        ModelRunner(model, mirror, capture_routes=enable_return_routed_experts),
         updater,
         max_running=max_running,
         context_len=ctx,
