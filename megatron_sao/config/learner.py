@@ -10,6 +10,8 @@ from megatron_sao.config.base import Section
 from megatron_sao.config.parallel import ParallelConfig
 
 Recompute = Literal["none", "selective", "full"]
+Routing = Literal["off", "measure", "replay"]
+"""What a model does with the engine's MoE routes: nothing, count its router's disagreement, or route by them."""
 
 
 class RoleOptimConfig(Section):

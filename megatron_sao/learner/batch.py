@@ -30,6 +30,7 @@ class StepBatch:
     versions: torch.Tensor  # int32 [B, L]: weight version of each predicted token (-1 off actions)
     prompt_ids: list[str]  # B: prompt id (GRPO groups)
     trajectory_ids: list[str]  # B
+    routes: list[np.ndarray | None] | None = None  # B x the engine's routes [T_b - 1, layers, top_k] (bus/schema.py)
 
     @property
     def size(self) -> int:
@@ -108,6 +109,7 @@ def make_step_batch(
         versions=versions,
         prompt_ids=[t.header.prompt_id for t in trajectories],
         trajectory_ids=[t.trajectory_id for t in trajectories],
+        routes=[t.routes for t in trajectories] if any(t.routes is not None for t in trajectories) else None,
     )
 
 

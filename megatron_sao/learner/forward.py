@@ -11,6 +11,7 @@ import torch
 
 from megatron_sao.distributed.bootstrap import current_context
 from megatron_sao.learner.packing import MicroBatch
+from megatron_sao.learner.routing import RoutingReplay, mark_backward
 
 LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]
 """(micro-batch, model output) -> (summed loss, token count, metrics); megatron divides gradients by the
@@ -50,11 +51,15 @@ def _to_device(mb: MicroBatch, device: torch.device) -> tuple[torch.Tensor, torc
 
 
 def run_microbatches(
-    model: Any, microbatches: Sequence[MicroBatch], loss_fn: LossFn, forward_only: bool
+    model: Any,
+    microbatches: Sequence[MicroBatch],
+    loss_fn: LossFn,
+    forward_only: bool,
+    routing: RoutingReplay | None = None,
 ) -> list[dict[str, Any]]:
     """One pass over `microbatches` through get_forward_backward_func; returns the loss_fn metrics per
     micro-batch (last pipeline stage; [] elsewhere). With forward_only=False gradients accumulate in the
-    model's DDP buffers."""
+    model's DDP buffers. `routing`: each micro-batch's routers get its routes (learner/routing.py)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     device = next(model.parameters()).device
@@ -62,22 +67,34 @@ def run_microbatches(
     def forward_step(data_iterator: Iterator[MicroBatch], chunk: Any) -> tuple[torch.Tensor, Any]:
         mb = next(data_iterator)
         tokens, positions, mask = _to_device(mb, device)
+        if routing is not None:
+            routing.load(mb)
         output = chunk(tokens, positions, mask, packed_seq_params=mb.packed_seq_params)
+        if routing is not None:
+            output = mark_backward(output, routing)
         return output, lambda out: loss_fn(mb, out)
 
-    return get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(microbatches),
-        model=[model],
-        num_microbatches=len(microbatches),
-        seq_length=max(mb.seq_len for mb in microbatches),
-        micro_batch_size=1,
-        forward_only=forward_only,
-    )
+    try:
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(microbatches),
+            model=[model],
+            num_microbatches=len(microbatches),
+            seq_length=max(mb.seq_len for mb in microbatches),
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+    finally:
+        if routing is not None:
+            routing.clear()
 
 
 def _collect(
-    model: Any, microbatches: Sequence[MicroBatch], out: torch.Tensor, per_position: Callable[..., torch.Tensor]
+    model: Any,
+    microbatches: Sequence[MicroBatch],
+    out: torch.Tensor,
+    per_position: Callable[..., torch.Tensor],
+    routing: RoutingReplay | None = None,
 ) -> bool:
     """Forward-only pass writing `per_position(micro_batch, output)` ([S] floats) into `out` [B, L] (shifted
     layout). Returns False on ranks that are not the last pipeline stage (they hold no outputs)."""
@@ -86,7 +103,7 @@ def _collect(
         values = per_position(mb, output).detach()
         return values.new_zeros(()), torch.zeros((), dtype=torch.int), {"values": values.cpu()}
 
-    results = run_microbatches(model, microbatches, loss_fn, forward_only=True)
+    results = run_microbatches(model, microbatches, loss_fn, forward_only=True, routing=routing)
     if not results:
         return False
     for mb, r in zip(microbatches, results):
@@ -100,11 +117,16 @@ def collect_values(model: Any, microbatches: Sequence[MicroBatch], out: torch.Te
 
 
 def collect_logprobs(
-    model: Any, microbatches: Sequence[MicroBatch], out: torch.Tensor, temperature: float, vocab_size: int
+    model: Any,
+    microbatches: Sequence[MicroBatch],
+    out: torch.Tensor,
+    temperature: float,
+    vocab_size: int,
+    routing: RoutingReplay | None = None,
 ) -> bool:
     """Policy model: log-probs of each predicted token into `out` [B, L]; False off the last pipeline stage."""
 
     def logprobs(mb: MicroBatch, output: torch.Tensor) -> torch.Tensor:
         return token_logprobs(output.reshape(mb.seq_len, -1), mb.targets(), temperature, vocab_size)
 
-    return _collect(model, microbatches, out, logprobs)
+    return _collect(model, microbatches, out, logprobs, routing)

@@ -32,7 +32,8 @@ from megatron_sao.algo import (
     sequence_to_token_advantages,
     token_rewards,
 )
-from megatron_sao.bus.schema import Trajectory
+from megatron_sao.bus.schema import Routes, Trajectory
+from megatron_sao.config.learner import Routing
 from megatron_sao.config.parallel import ParallelConfig
 from megatron_sao.config.tree import SAOConfig
 from megatron_sao.distributed.bootstrap import DistContext, current_context
@@ -130,12 +131,22 @@ class Learner:
         self.spec = spec or ModelSpec.from_config(cfg.model)
         self.use_thd = uses_transformer_engine(self.spec)  # the same decision build_role's layer specs follow
         learner, algo = cfg.learner, cfg.algo
+        self.routes: Routes | None = None
+        """The routes trajectories must carry (rollout.return_routed_experts): the policy replays or measures them."""
+        routing: Routing = "off"
+        if cfg.rollout.return_routed_experts and "policy" in roles:
+            num_experts = self.spec.family.architecture(self.spec.hf).get("num_moe_experts")
+            if not num_experts:
+                raise ValueError("rollout.return_routed_experts / learner.routing_replay need a MoE model; "
+                                 f"{self.spec.family.name} at {cfg.model.hf_path} has no routed experts")  # fmt: skip
+            self.routes = Routes.of_model(self.spec.hf, num_experts)
+            routing = "replay" if learner.routing_replay else "measure"
         self.policy: RoleModel | None = None
         if "policy" in roles:
             self.policy = build_role(
                 self.spec, cfg.parallel, "policy", learner.policy, total_steps=learner.max_steps,
                 use_distributed_optimizer=learner.use_distributed_optimizer,
-                moe_aux_loss_coeff=learner.moe_aux_loss_coeff, recompute=learner.recompute,
+                moe_aux_loss_coeff=learner.moe_aux_loss_coeff, recompute=learner.recompute, routing=routing,
             )  # fmt: skip
         self.value: RoleModel | None = None
         if "value" in roles:
@@ -309,6 +320,11 @@ class Learner:
         )  # fmt: skip
         plan.metrics.update(reduce_metrics(results, plan.holds_outputs))
         plan.metrics.update(self._nonfinite("policy", ok))
+        if self.policy.routing is not None:
+            mismatched, decisions = self.policy.routing.take_stats()
+            mismatched, decisions = all_reduce_scalar(mismatched), all_reduce_scalar(decisions)
+            plan.metrics["routing/mismatch_frac"] = mismatched / decisions if decisions else 0.0
+            plan.metrics["routing/replayed"] = float(self.policy.routing.replay)
         plan.metrics.update(
             {
                 "policy/grad_norm": grad_norm,
@@ -446,7 +462,10 @@ class Learner:
         mine = len(plan_microbatches([int(t.numel()) for t in batch.tokens], budget)) or 1
         count = int(all_reduce_scalar(float(mine), op="max"))
         pad = self.cfg.parallel.tensor
-        return pack_microbatches(batch, budget, pad, self.use_thd, min_count=count)
+        routing = self.policy.routing if self.policy is not None else None
+        layers = tuple(routing.layers) if routing is not None else ()
+        k = self.routes.top_k if self.routes is not None else 0
+        return pack_microbatches(batch, budget, pad, self.use_thd, min_count=count, route_layers=layers, top_k=k)
 
     def _trainable(self, trajectories: Sequence[Trajectory]) -> tuple[list[Trajectory], int]:
         """Drop (and log) trajectories the learner cannot train on; one bad episode never stops a step. Every rank
@@ -455,6 +474,10 @@ class Learner:
         for t in trajectories:
             try:
                 check_trainable(t, self.cfg.model.max_seq_len, self.spec.vocab_size)
+                if self.routes is not None and t.header.routes != self.routes:
+                    raise ValueError(f"trajectory {t.trajectory_id} carries routes {t.header.routes}, the policy "
+                                     f"routes as {self.routes}: every trajectory needs the engines' routes of this "
+                                     "model (rollout.return_routed_experts on every worker)")  # fmt: skip
             except ValueError as e:
                 if dist.get_rank() == 0:
                     logger.error("dropping a trajectory: %s", e)

@@ -33,6 +33,9 @@ class MicroBatch:
     attention_mask: torch.Tensor | None  # bool [1, 1, S, S], True = masked out (local spec); None with THD
     packed_seq_params: Any  # megatron PackedSeqParams (TE) or None
     segments: list[Segment] = field(default_factory=list)
+    routes: torch.Tensor | None = None  # int32 [S, len(route_layers), top_k]: the engine's experts per position
+    routed: torch.Tensor | None = None  # bool [S]: positions an engine routed (not a trajectory's last, not padding)
+    route_layers: tuple[int, ...] = ()  # the (HF) layers `routes` holds: this pipeline stage's MoE layers
 
     @property
     def seq_len(self) -> int:
@@ -84,8 +87,42 @@ def _packed_seq_params(segments: list[Segment]) -> Any:
     )
 
 
-def build_microbatch(batch: StepBatch, rows: list[int], pad_multiple: int, use_thd: bool) -> MicroBatch:
-    """Pack `rows` of `batch` into one row padded to a multiple of `pad_multiple` (TP size for SP)."""
+def _packed_routes(
+    batch: StepBatch, segments: list[Segment], layers: tuple[int, ...], k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routes of a packed row, `layers` only: each trajectory's T - 1 engine rows, then for its last position
+    and for padding experts 0..top_k-1 (distinct, so no token is dispatched to one expert twice; their outputs
+    reach no loss: nothing attends to a trajectory's last position, nor to padding)."""
+    given = batch.routes or [None] * batch.size
+    missing = [batch.trajectory_ids[s.row] for s in segments if s.row >= 0 and given[s.row] is None]
+    if missing:
+        raise ValueError(f"trajectories {missing[:3]} carry no routes: routing replay needs every trajectory's "
+                         "(rollout.return_routed_experts on every worker)")  # fmt: skip
+    seq_len = segments[-1].start + segments[-1].num_tokens
+    out = torch.arange(k, dtype=torch.int32).expand(seq_len, len(layers), k).clone()
+    routed = torch.zeros(seq_len, dtype=torch.bool)
+    for s in segments:
+        if s.row >= 0:
+            r = given[s.row]
+            assert r is not None
+            if r.shape[2] != k:
+                raise ValueError(f"trajectory {batch.trajectory_ids[s.row]}: routes of top_k {r.shape[2]}, the model "
+                                 f"routes to {k}")  # fmt: skip
+            out[s.start : s.start + s.num_tokens - 1] = torch.from_numpy(r[:, list(layers)].astype("int32"))
+            routed[s.start : s.start + s.num_tokens - 1] = True
+    return out, routed
+
+
+def build_microbatch(
+    batch: StepBatch,
+    rows: list[int],
+    pad_multiple: int,
+    use_thd: bool,
+    route_layers: tuple[int, ...] = (),
+    top_k: int = 0,
+) -> MicroBatch:
+    """Pack `rows` of `batch` into one row padded to a multiple of `pad_multiple` (TP size for SP); with
+    `route_layers`, the engine's routes of those layers come along (batch.routes)."""
     segments, pieces, positions, start = [], [], [], 0
     for r in rows:
         toks = batch.tokens[r]
@@ -100,12 +137,18 @@ def build_microbatch(batch: StepBatch, rows: list[int], pad_multiple: int, use_t
         positions.append(torch.arange(pad))
     seq_len = start + pad
     tokens = torch.cat(pieces).view(1, seq_len)
+    routes = routed = None
+    if route_layers:
+        routes, routed = _packed_routes(batch, segments, route_layers, top_k)
     return MicroBatch(
         tokens=tokens,
         position_ids=torch.cat(positions).view(1, seq_len),
         attention_mask=None if use_thd else _block_causal_mask(segments, seq_len),
         packed_seq_params=_packed_seq_params(segments) if use_thd else None,
         segments=segments,
+        routes=routes,
+        routed=routed,
+        route_layers=tuple(route_layers) if routes is not None else (),
     )
 
 
@@ -127,10 +170,16 @@ def plan_microbatches(lengths: list[int], max_tokens: int) -> list[list[int]]:
 
 
 def pack_microbatches(
-    batch: StepBatch, max_tokens: int, pad_multiple: int, use_thd: bool, min_count: int = 0
+    batch: StepBatch,
+    max_tokens: int,
+    pad_multiple: int,
+    use_thd: bool,
+    min_count: int = 0,
+    route_layers: tuple[int, ...] = (),
+    top_k: int = 0,
 ) -> list[MicroBatch]:
     """All of `batch` as packed micro-batches, padded with empty ones up to `min_count` (every rank of an
     expert-parallel group must run the same number of forward passes)."""
     plan = plan_microbatches([int(t.numel()) for t in batch.tokens], max_tokens)
     plan += [[] for _ in range(max(0, min_count - len(plan)))]
-    return [build_microbatch(batch, rows, pad_multiple, use_thd) for rows in plan]
+    return [build_microbatch(batch, rows, pad_multiple, use_thd, route_layers, top_k) for rows in plan]

@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
-from megatron_sao.config.learner import Recompute, RoleOptimConfig
+from megatron_sao.config.learner import Recompute, RoleOptimConfig, Routing
 from megatron_sao.config.parallel import ParallelConfig
+from megatron_sao.learner.routing import RoutingReplay
 from megatron_sao.models.builder import ModelSpec, Role, build_model, recompute_settings, transformer_config
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ class RoleModel:
     optimizer: Any  # megatron (Chained/Distributed) optimizer
     scheduler: Any  # megatron OptimizerParamScheduler
     report: TrainableReport
+    routing: RoutingReplay | None = None
+    """Its routers fed with the engine's routes (learner/routing.py): replaying or only measuring; None: neither."""
     optimizer_steps: int = 0
     applied_lr: float = 0.0
     """The learning rate of the last optimizer step (the scheduler has moved on to the next one's since)."""
@@ -161,13 +164,22 @@ def build_role(
     use_distributed_optimizer: bool,
     moe_aux_loss_coeff: float = 0.0,
     recompute: Recompute = "none",
+    routing: Routing = "off",
 ) -> RoleModel:
-    """Build, freeze, wrap and attach an optimizer; weights are still the random init (load them next)."""
+    """Build, freeze, wrap and attach an optimizer; weights are still the random init (load them next). `routing`
+    (a MoE model): replay the engine's routes, only measure against them, or neither."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    config = transformer_config(spec, parallel, moe_aux_loss_coeff=moe_aux_loss_coeff if role == "policy" else 0.0,
+    from megatron_sao.distributed.bootstrap import current_context
+
+    aux = moe_aux_loss_coeff if role == "policy" else 0.0
+    config = transformer_config(spec, parallel, moe_aux_loss_coeff=aux, moe_enable_routing_replay=routing != "off",
                                 **recompute_settings(recompute))  # fmt: skip
     model = build_model(spec, config, role)
+    replay = None
+    if routing != "off":
+        ctx = current_context()
+        replay = RoutingReplay(model, routing == "replay", ctx.tp_rank, parallel.tensor, parallel.use_sequence_parallel)
     report = select_trainable(model, optim.trainable, optim.frozen)
     if recompute == "full":
         _grad_into_frozen_embedding(model)
@@ -190,4 +202,4 @@ def build_role(
         wd_incr_steps=max(total_steps, 1),
         wd_incr_style="constant",
     )
-    return RoleModel(role, config, ddp, optimizer, scheduler, report)
+    return RoleModel(role, config, ddp, optimizer, scheduler, report, replay)

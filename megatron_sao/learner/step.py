@@ -98,7 +98,7 @@ def value_update(
         return loss, count.to(torch.int), {**_weighted(m, float(count)), **totals}
 
     value.zero_grad()
-    results = run_microbatches(value.ddp, microbatches, loss_fn, forward_only=False)
+    results = run_microbatches(value.ddp, microbatches, loss_fn, forward_only=False, routing=value.routing)
     ok, grad_norm = value.step()
     return results, ok, grad_norm
 
@@ -139,6 +139,6 @@ def policy_update(
         return loss, count.to(torch.int), _weighted(m, float(count))
 
     policy.zero_grad()
-    results = run_microbatches(policy.ddp, microbatches, loss_fn, forward_only=False)
+    results = run_microbatches(policy.ddp, microbatches, loss_fn, forward_only=False, routing=policy.routing)
     ok, grad_norm = policy.step()
     return results, ok, grad_norm

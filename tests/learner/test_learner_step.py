@@ -20,7 +20,7 @@ LAYOUTS = {
 }
 
 
-def learner_config(hf_dir: str, layout: dict, world: int, dtype: str = "fp32", k: int = 2):
+def learner_config(hf_dir: str, layout: dict, world: int, dtype: str = "fp32", k: int = 2, extra: tuple = ()):
     from megatron_sao.config import load_config
 
     lr = "1e-2" if dtype == "fp32" else "1.0"  # bf16: updates far above the bf16 rounding of the weights
@@ -33,7 +33,7 @@ def learner_config(hf_dir: str, layout: dict, world: int, dtype: str = "fp32", k
     ]  # fmt: skip
     for key, value in layout.items():
         overrides += [f"--parallel.{key}", str(value)]
-    return load_config(None, overrides)
+    return load_config(None, [*overrides, *extra])
 
 
 def on_policy(trajectories, hf_dir: str, noise: float = 0.05, seed: int = 0):
