@@ -113,11 +113,13 @@ class RunSpec:
     token_budget: int | None = None  # stop once the engine generated this many tokens; None: at learner.max_steps
     env_options: dict[str, Any] = field(default_factory=dict)
     timeout_s: float = 3600.0
+    engine_args: tuple[str, ...] = ()  # more `python -m megatron_sao engine` flags (e.g. --dtype bfloat16)
 
     @property
     def key(self) -> dict[str, Any]:
-        return {"label": self.label, "config": str(self.config.relative_to(REPO)), "overrides": list(self.overrides),
-                "seed": self.seed, "token_budget": self.token_budget, "env_options": self.env_options}  # fmt: skip
+        key = {"label": self.label, "config": str(self.config.relative_to(REPO)), "overrides": list(self.overrides),
+               "seed": self.seed, "token_budget": self.token_budget, "env_options": self.env_options}  # fmt: skip
+        return {**key, "engine_args": list(self.engine_args)} if self.engine_args else key
 
 
 @dataclass
@@ -176,7 +178,7 @@ def run_arm(spec: RunSpec, run_dir: Path, log: Any = print) -> Run:
     py = [sys.executable, "-m", "megatron_sao"]
     logs = {name: open(run_dir / "logs" / f"{name}.log", "wb") for name in ("engine", "learner", "rollout")}  # noqa: SIM115
     engine_cmd = [*py, "engine", "--model", str(spec.model), "--port", str(port), "--threads", "1",
-                  "--max-running-requests", "64", "--random-seed", str(spec.seed)]  # fmt: skip
+                  "--max-running-requests", "64", "--random-seed", str(spec.seed), *spec.engine_args]  # fmt: skip
     procs = [subprocess.Popen(pinned(0, engine_cmd), stdout=logs["engine"], stderr=subprocess.STDOUT, env=role_env())]
     client = SGLangClient(url)
     poll_stop = threading.Event()

@@ -45,6 +45,7 @@ WHEN = {
     "env": "environments that report it",
     "pretrain": "value pre-training steps",
     "moe": "learner.moe_aux_loss_coeff > 0",
+    "routes": "policy steps with rollout.return_routed_experts (on with learner.routing_replay)",
     "skipped": "steps with nothing trainable",
 }
 
@@ -108,6 +109,13 @@ SCHEMA: tuple[Metric, ...] = (
     ),  # fmt: skip
     Metric("value/*", "critic", "critic diagnostics: clipfrac, returns and value means, grad norm, lr, updates"),
     Metric("gae/*", "critic", "GAE over action tokens: lambda_policy mean, advantages mean / std, returns mean"),
+    Metric(
+        "routing/mismatch_frac",
+        "routes",
+        "share of (token, layer) routing decisions where the policy's own router picks another top-k set than the "
+        "engine did, in the policy update's forward, over the positions the engines routed (replayed or not)",
+    ),  # fmt: skip
+    Metric("routing/replayed", "routes", "1 when the policy routed by the engines' routes (learner.routing_replay)"),
     Metric("moe/*", "moe", "MoE router losses per layer (load-balancing aux loss, z-loss), as megatron tracks them"),
     Metric(
         "pretrain/*",

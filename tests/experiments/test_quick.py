@@ -107,3 +107,15 @@ def test_critic_matters_quick(tmp_path: Path) -> None:
         assert by_arm[arm]["pretrain_trajectories"] == 0 and by_arm[arm]["explained_variance"] is None
     section = _section(results, "critic_matters_quick")
     assert "R^2 = " in section and section.count("\n| `") == 5
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_routing_replay_quick(tmp_path: Path) -> None:
+    _, results, figures = _quick("routing_replay.py", tmp_path)
+    body = _section(results, "routing_replay_quick")
+    assert "| free | 3 |" in body and "| replay | 3 |" in body
+    _png(figures / "routing_replay_quick.png")
+    arms = json.loads((figures / "routing_replay_quick.json").read_text())["arms"]
+    runs = [r for arm in arms.values() for r in arm]
+    assert len(runs) == 6 and all(r["policy_steps"] == 6 and r["routing/mismatch_frac"] is not None for r in runs)
