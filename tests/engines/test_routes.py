@@ -23,26 +23,33 @@ def routed_engine(request: pytest.FixtureRequest, tiny_dirs: dict[str, Path]) ->
         yield url, tiny_dirs[request.param]
 
 
-def reference_routes(model_dir: Path, tokens: list[int]) -> np.ndarray:
-    """[len(tokens), layers, top_k] int32: each layer's router top-k in one full-sequence forward (zeros on dense
-    layers), by the same transformers routers."""
-    model = load_hf_model(model_dir)
+def routes_of(model: torch.nn.Module, tokens: list[int]) -> np.ndarray:
+    """[len(tokens), layers, top_k] int32: each layer's router top-k in one full-sequence forward of `model` (zeros
+    on dense layers)."""
     cfg = model.config
     out = np.zeros((len(tokens), cfg.num_hidden_layers, cfg.num_experts_per_tok), dtype=np.int32)
 
-    def hook(layer: int):
-        def record(_m, _i, output) -> None:
+    def record(layer: int):
+        def hook(_module, _inputs, output) -> None:
             out[:, layer] = output[2].reshape(len(tokens), -1).numpy()
 
-        return record
+        return hook
 
+    hooks = []
     for i, layer in enumerate(model.model.layers):
         gate = getattr(layer.mlp, "gate", None)
         if gate is not None and hasattr(gate, "top_k"):
-            gate.register_forward_hook(hook(i))
+            hooks.append(gate.register_forward_hook(record(i)))
     with torch.no_grad():
         model(torch.tensor([tokens]))
+    for h in hooks:
+        h.remove()
     return out
+
+
+def reference_routes(model_dir: Path, tokens: list[int]) -> np.ndarray:
+    """routes_of the model in `model_dir` (the same transformers routers the engine runs)."""
+    return routes_of(load_hf_model(model_dir), tokens)
 
 
 def _same_sets(a: np.ndarray, b: np.ndarray) -> float:

@@ -37,26 +37,13 @@ def _hf_model(hf_dir: str, noise: float):
 
 def _forward_routes(model, tokens: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
     """(routes [T, layers, top_k] int32, log-prob of each next token [T - 1]) of one sequence."""
-    cfg = model.config
-    out = np.zeros((len(tokens), cfg.num_hidden_layers, cfg.num_experts_per_tok), dtype=np.int32)
-    hooks = []
+    from tests.engines.test_routes import routes_of
 
-    def record(layer: int):
-        def hook(_module, _inputs, output) -> None:
-            out[:, layer] = output[2].reshape(len(tokens), -1).numpy()
-
-        return hook
-
-    for i, layer in enumerate(model.model.layers):
-        gate = getattr(layer.mlp, "gate", None)
-        if gate is not None and hasattr(gate, "top_k"):
-            hooks.append(gate.register_forward_hook(record(i)))
+    routes = routes_of(model, tokens.tolist())
     toks = torch.from_numpy(tokens.astype("int64")).view(1, -1)
     with torch.no_grad():
         logp = torch.log_softmax(model(toks).logits[0, :-1].float(), -1).gather(1, toks[0, 1:].view(-1, 1)).view(-1)
-    for h in hooks:
-        h.remove()
-    return out, logp
+    return routes, logp
 
 
 def engine_trajectories(hf_dir: str, n: int = 6, noise: float = NOISE) -> tuple[list, float]:
