@@ -109,7 +109,9 @@ class RoutingReplay:
     def load(self, mb: MicroBatch) -> None:
         """Hand each router its layer's top-k for `mb` (every position of the packed row, or this TP rank's chunk
         of it under sequence parallelism). A micro-batch without routes is refused: a replaying model cannot route
-        by itself silently."""
+        by itself silently. A stage without MoE layers has nothing to load."""
+        if not self.routers:
+            return
         if mb.routes is None or mb.routed is None:
             raise ValueError("a micro-batch without routes reached a model that replays them: every trajectory of a "
                              "step needs routes (rollout.return_routed_experts)")  # fmt: skip

@@ -273,7 +273,7 @@ class Scheduler:
         self.stats["decode_steps"] += 1
         with self._cv:
             live = [(i, r) for i, r in enumerate(batch) if r.slot is not None]
-            routes = self.runner.last_routes
+            routes = self.runner.last_routes if any(r.return_routes for _, r in live) else None
             for i, r in live:
                 r.kv_len += 1
                 if r.return_routes and routes is not None:
