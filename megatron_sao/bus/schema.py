@@ -82,6 +82,9 @@ class Routes(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"routes {self}: need num_layers >= 1 and 1 <= top_k <= num_experts <= {MAX_EXPERTS}")
 
 
+PAIRWISE_TOP_K = 16
+"""Up to this top_k the receiver checks distinct experts by comparing columns pairwise, above it by sorting."""
+
 MAX_EXPERTS = 65536
 """The most routed experts a layer may have for routes to travel (uint16 ids)."""
 
@@ -268,12 +271,20 @@ def _check_route_values(routes: np.ndarray, num_experts: int) -> None:
     if int(routes.max()) >= num_experts:
         pos = int(np.argwhere(routes >= num_experts)[0][0])
         raise ValueError(f"routes: expert id {int(routes.max())} >= num_experts {num_experts} (position {pos})")
-    if routes.shape[-1] < 2:
+    k = routes.shape[-1]
+    if k < 2:
         return
-    ordered = np.sort(routes, axis=-1)
-    same = ordered[..., 1:] == ordered[..., :-1]
-    zero_rows = ~ordered[..., -1].astype(bool)  # a layer without a router (all zeros)
-    bad = same.any(axis=-1) & ~zero_rows
+    if k <= PAIRWISE_TOP_K:  # k(k-1)/2 column comparisons: ~5x faster than sorting rows of 8 (32k tokens x 48 layers)
+        flat = routes.reshape(-1, k)
+        cols = [np.ascontiguousarray(flat[:, i]) for i in range(k)]
+        twice = np.zeros(flat.shape[0], dtype=bool)
+        for i in range(k):
+            for j in range(i + 1, k):
+                twice |= cols[i] == cols[j]
+        bad = (twice & flat.any(axis=1)).reshape(routes.shape[:-1])  # an all-zero row: a layer without a router
+    else:
+        ordered = np.sort(routes, axis=-1)
+        bad = (ordered[..., 1:] == ordered[..., :-1]).any(axis=-1) & ordered[..., -1].astype(bool)
     if bad.any():
         pos, layer = (int(i) for i in np.argwhere(bad)[0])
         raise ValueError(f"routes: position {pos} layer {layer} names one expert twice {routes[pos, layer].tolist()}")

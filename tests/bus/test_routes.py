@@ -104,3 +104,13 @@ def test_the_receiver_counts_routes_refusals_and_delivers_good_routes() -> None:
         assert r.metrics()["rejected_routes"] == 1
         r.commit()
         assert s.flush(5)
+
+
+@pytest.mark.parametrize("top_k", [2, 8, 17])  # pairwise comparison up to 16, sorting above
+def test_a_repeated_expert_is_found_at_any_top_k(top_k: int) -> None:
+    t = routed(traj(6, 30), top_k=top_k, experts=64)
+    codec.decode(_frames(t), LIMITS)
+    twice = t.routes.copy()
+    twice[11, 1, -1] = twice[11, 1, 0]
+    e = _refused(_frames(dataclasses.replace(t, routes=twice)))
+    assert e.reason == Reason.ROUTES and "position 11 layer 1" in e.detail
