@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,37 @@ def check_safetensors(path: Path) -> None:
                              "re-convert it") from None  # fmt: skip
 
 
+# SGLang at --tp-size N (no --ep-size) cuts every routed expert's intermediate dimension over the N ranks. transformers'
+# MoE families said the same in their tensor-parallel plans up to 5.24; from 5.25 their plans leave the experts out (the
+# moe_tp_experts style is deprecated in favour of expert parallelism, removal in 5.28), which replicates every expert on
+# every rank. The engine names the rules itself, so its ranks hold what SGLang's do whichever release is installed.
+EXPERT_TP_RULES = {
+    "layers.*.mlp.experts.gate_up_proj": "packed_colwise",  # fused [E, 2I, H]: each rank its half of gate and of up
+    "layers.*.mlp.experts.down_proj": "rowwise",  # [E, H, I]: each rank its part of I
+    "layers.*.mlp.experts": "moe_tp_experts",  # partial outputs summed over the ranks
+}
+
+
+def tp_plan_of(config: Any) -> dict[str, str] | str:
+    """The tensor-parallel plan the engine loads with: the model type's own plan ("auto"), with EXPERT_TP_RULES
+    (under the model's prefix) added for a model with routed experts whose plan leaves them out. An installed
+    transformers without the moe_tp_experts style (5.28 on) is refused, naming the pin, rather than served with every
+    expert replicated."""
+    plan = config.base_model_tp_plan
+    routed = any(getattr(config, k, None) for k in ("num_experts", "n_routed_experts", "num_local_experts"))
+    if not routed or any(k.startswith("layers.*.mlp.experts") for k in plan):
+        return "auto"
+    from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES
+
+    if "moe_tp_experts" not in ALL_PARALLEL_STYLES:
+        import transformers
+
+        raise ValueError(f"transformers {transformers.__version__} has no moe_tp_experts tensor-parallel style, so the "
+                         "embedded engine cannot cut its experts over --tp-size ranks as SGLang does; install "
+                         "transformers<5.28 (pyproject.toml pins it) or serve at --tp-size 1")  # fmt: skip
+    return {f"model.{k}": v for k, v in EXPERT_TP_RULES.items()}
+
+
 def load_hf_model(model_dir: str | Path, dtype: str = "auto") -> torch.nn.Module:
     """AutoModelForCausalLM from a local directory, eval mode, no grad. dtype: auto | float32 | bfloat16."""
     return load_engine_model(model_dir, dtype)[0]
@@ -89,8 +121,10 @@ def load_engine_model(
         if not getattr(config, "base_model_tp_plan", None):
             raise ValueError(f"{path}: transformers has no tensor-parallel plan for model_type "
                              f"{getattr(config, 'model_type', None)!r}; serve it at --tp-size 1")  # fmt: skip
-        tp = DistributedConfig(tp_size=tp_size, tp_plan="auto")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, distributed_config=tp)
+        tp = DistributedConfig(tp_size=tp_size, tp_plan=tp_plan_of(config))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*moe_tp_experts.*deprecated")
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, distributed_config=tp)
         served = None
     elif fmt is None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
