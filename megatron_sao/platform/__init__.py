@@ -1,9 +1,10 @@
 """The CPU platform layer: lets the real megatron-core code paths run on a CPU-only machine with gloo.
 
 `activate()` is called by distributed.bootstrap (and by tools that build megatron models) before any
-megatron model or optimizer exists. With CUDA available it does nothing at all: GPU runs use megatron-core
-unpatched. Without CUDA it applies every patch in `PATCHES` (see `python -m megatron_sao platform`), each of
-which names the megatron-core function it works around, why, and the versions it was checked on.
+megatron model or optimizer exists. Without CUDA it applies every patch in `PATCHES` (see `python -m megatron_sao
+platform`), each of which names the megatron-core function it works around, why, and the versions it was checked on.
+With CUDA and Transformer Engine it does nothing at all: GPU runs use megatron-core unpatched. With CUDA but without
+TE it applies only the patches tagged NO_TE, whose failures come from TE's absence (seen on an H200).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_sao.platform.registry import PATCHES, Patch
+from megatron_sao.platform.registry import NO_TE, PATCHES, Patch
 
 CHECKED_MEGATRON_VERSIONS = ("0.16.1",)
 """megatron-core releases the CPU layer was checked on (tests/platform/ on gloo)."""
@@ -48,10 +49,17 @@ class PlatformInfo:
     cpu_layer_active: bool
     megatron_version: str
     applied: tuple[str, ...]
-    """Names of the patches applied in this process (empty on GPU)."""
+    """Names of the patches applied in this process (on GPU: the NO_TE ones where TE is absent, else none)."""
 
 
 _applied: list[str] = []
+_applied_no_te: list[str] = []
+
+
+def transformer_engine_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def megatron_version() -> str:
@@ -70,7 +78,15 @@ def activate(local_rank: int = 0) -> PlatformInfo:
     if torch.cuda.is_available() and not _applied:
         # modulo: a Slurm task may see only its own GPU (CUDA_VISIBLE_DEVICES) while SLURM_LOCALID > 0
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        return PlatformInfo(device, "nccl", False, version, ())
+        if not _applied_no_te and not transformer_engine_installed():
+            from megatron_sao.platform import cpu_megatron
+
+            for patch in PATCHES:
+                if NO_TE in patch.tags:
+                    patch.apply()
+                    _applied_no_te.append(patch.name)
+            logger.debug("no Transformer Engine on this GPU machine: applied %s", ", ".join(_applied_no_te))
+        return PlatformInfo(device, "nccl", False, version, tuple(_applied_no_te))
     if not _applied:
         if version not in CHECKED_MEGATRON_VERSIONS:
             warnings.warn(

@@ -2,7 +2,8 @@
 
 Each `@register` names the function, the failure and the versions checked; tests/platform/ proves each one
 (MoE with TP+SP, EP, PP, DDP + distributed optimizer, bit-exact dist_checkpointing resume on gloo).
-Only platform.activate() imports this module, and only on a machine without CUDA.
+Only platform.activate() imports this module: on a machine without CUDA it applies every patch; on a GPU without
+Transformer Engine only those tagged NO_TE (their failure is TE's absence, not the CPU's).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-from megatron_sao.platform.registry import register
+from megatron_sao.platform.registry import NO_TE, register
 
 
 @register(
@@ -34,7 +35,8 @@ def patch_jit_fuser() -> None:
     "moe-te-general-gemm-name",
     works_around="megatron.core.transformer.moe.moe_utils.RouterGatingLinearFunction.forward",
     why="'NameError: name te_general_gemm is not defined' when Transformer Engine is absent (the import fallback "
-    "never binds the name)",
+    "never binds the name); seen on an H200 without TE too",
+    tags=(NO_TE,),
 )
 def patch_te_general_gemm() -> None:
     from megatron.core.transformer.moe import moe_utils
@@ -49,6 +51,7 @@ def patch_te_general_gemm() -> None:
     why="'TypeError: isinstance() arg 2 must be a type' building MLA: importing megatron.core.extensions."
     "transformer_engine succeeds without Transformer Engine (its classes are None), so the module sets HAVE_TE=True "
     "and calls isinstance(linear_proj, None)",
+    tags=(NO_TE,),
 )
 def patch_mla_have_te() -> None:
     import importlib.util
@@ -68,7 +71,9 @@ def patch_mla_have_te() -> None:
     "torch norm ignores config.params_dtype (fp32 weights in a bf16 model, where TE norms are bf16): the "
     "distributed optimizer then mixes fp32 and bf16 parameters in one param group and its checkpoint code "
     "pairs parameters with the wrong main params ('size of tensor a (128) must match ... (64)' saving glm4_moe "
-    "in bf16). The weights are cast to params_dtype",
+    "in bf16). The weights are cast to params_dtype. Both come from TE's absence: on an H200 without TE the norms were "
+    "fp32 in a bf16 model too ('Mismatch dtype between input and weight ... Cannot dispatch to fused implementation')",
+    tags=(NO_TE,),
 )
 def patch_torch_norm_sequence_parallel() -> None:
     from megatron.core.transformer import torch_norm

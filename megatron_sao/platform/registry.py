@@ -24,11 +24,19 @@ class Patch:
 PATCHES: list[Patch] = []
 
 
-def register(name: str, works_around: str, why: str, checked_on: tuple[str, ...] = ("0.16.1",)):
+NO_TE = "no-te"
+"""Tag of a patch whose failure comes from Transformer Engine being absent, not from the CPU: a GPU without TE (the
+local spec, e.g. fp32 on GPUs, or a machine without TE installed) needs it too."""
+
+
+def register(
+    name: str, works_around: str, why: str, checked_on: tuple[str, ...] = ("0.16.1",), tags: tuple[str, ...] = ()
+):
     """Decorator: add the decorated zero-argument function to PATCHES."""
 
     def deco(fn: Callable[[], None]) -> Callable[[], None]:
-        PATCHES.append(Patch(name=name, works_around=works_around, why=why, apply=fn, checked_on=checked_on))
+        PATCHES.append(Patch(name=name, works_around=works_around, why=why, apply=fn, checked_on=checked_on,
+                             tags=tags))  # fmt: skip
         return fn
 
     return deco

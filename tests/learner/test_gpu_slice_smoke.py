@@ -34,6 +34,7 @@ def test_sao_step_flops_count_the_critic_without_logits() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.multiproc
 def test_cpu_smoke_prints_both_measurements() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke"], env=env, capture_output=True, text=True,

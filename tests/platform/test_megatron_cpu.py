@@ -154,6 +154,8 @@ def test_platform_layer_stays_off_when_cuda_is_available(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(platform, "_applied", [])
+    monkeypatch.setattr(platform, "_applied_no_te", [])
+    monkeypatch.setattr(platform, "transformer_engine_installed", lambda: True)
     info = platform.activate(local_rank=3)
     assert info.dist_backend == "nccl"
     assert info.device == torch.device("cuda", 3)
@@ -162,6 +164,28 @@ def test_platform_layer_stays_off_when_cuda_is_available(monkeypatch):
     # a Slurm task that sees only its own GPU (CUDA_VISIBLE_DEVICES) while SLURM_LOCALID is 3
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert platform.activate(local_rank=3).device == torch.device("cuda", 0)
+
+
+def test_a_gpu_without_transformer_engine_gets_only_the_no_te_patches(monkeypatch):
+    """On an H200 without TE, megatron-core 0.16.1's router raised NameError: te_general_gemm; the patches whose
+    failure is TE's absence apply there, the CPU ones do not."""
+    import megatron_sao.platform as platform
+    from megatron_sao.platform.registry import NO_TE
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(platform, "_applied", [])
+    monkeypatch.setattr(platform, "_applied_no_te", [])
+    monkeypatch.setattr(platform, "transformer_engine_installed", lambda: False)
+    applied: list[str] = []
+    patches = platform.describe_patches()
+    monkeypatch.setattr(platform, "PATCHES", [type(p)(p.name, p.works_around, p.why, lambda n=p.name: applied.append(n),
+                                                      p.checked_on, p.tags) for p in patches])  # fmt: skip
+    info = platform.activate()
+    no_te = [p.name for p in patches if NO_TE in p.tags]
+    assert set(no_te) == {"moe-te-general-gemm-name", "mla-have-te-flag", "torch-norm-sequence-parallel"}
+    assert applied == no_te and info.applied == tuple(no_te) and not info.cpu_layer_active
+    assert info.dist_backend == "nccl" and platform._applied == []
 
 
 def test_every_patch_names_its_target_reason_and_versions():

@@ -1,0 +1,1 @@
+from tests.learner.conftest import tiny_hf_dir  # noqa: F401

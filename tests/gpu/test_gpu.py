@@ -1,0 +1,228 @@
+"""The GPU tier (`./tests/run.sh --gpu`; `benchmarks/gpu_check.sh` runs it on a lent GPU): what must hold on CUDA that
+the CPU tiers cannot show. Every test here skips, naming what is missing, where its device or package is absent, so
+the tier reports its tests skipped with their reasons on a CPU machine instead of collecting nothing.
+
+- the policy on a CUDA device gives transformers' log-probs (fp32, local spec): the platform layer's device choice,
+  megatron's CUDA kernels and the packed micro-batches moved to the device;
+- Transformer Engine layer specs (THD-packed, bf16) give what the local spec gives on the same weights;
+- an update group on NCCL, built the way SGLang builds its own, broadcasts and is aborted without ending the process;
+- an NCCL weight push between two processes (sender on one GPU, receiver on another) lands every tensor bit for bit;
+- a bf16 learner on the GPU pushes to an embedded engine (gathers and packing on the device, pinned host send
+  buffer), and the engine's checksums equal what was sent.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from megatron_sao.distributed import spawn_ranks
+from megatron_sao.distributed.spawn import find_free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multiproc]
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device; the CPU tiers test these paths on gloo"
+)
+
+
+def _te_missing() -> str | None:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as e:  # ImportError, or a TE build that does not load against this torch
+        return f"Transformer Engine does not import ({type(e).__name__}): pip install -e '.[gpu]'"
+    return None
+
+
+def _hf_logprobs(hf_dir: str, temperature: float) -> torch.Tensor:
+    """transformers' per-token log-probs of the synthetic batch, fp32 on the CPU: the reference."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_sao.learner.batch import make_step_batch
+    from megatron_sao.learner.synthetic import make_batch
+
+    batch = make_step_batch(make_batch(5), max_seq_len=4096)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    ref = torch.zeros_like(batch.rollout_logprobs)
+    with torch.no_grad():
+        for i, toks in enumerate(batch.tokens):
+            logits = model(toks.view(1, -1)).logits[0, :-1] / temperature
+            ref[i, : toks.numel() - 1] = torch.log_softmax(logits, -1).gather(1, toks[1:].view(-1, 1)).view(-1)
+    return ref
+
+
+def _policy_logprobs(hf_dir: str, dtype: str, use_te: bool, temperature: float) -> dict[str, Any]:
+    """One rank: the policy built on this rank's device from `hf_dir`; its log-probs of the synthetic batch."""
+    from megatron_sao.config import ParallelConfig
+    from megatron_sao.distributed import destroy_distributed, init_distributed
+    from megatron_sao.learner.batch import make_step_batch
+    from megatron_sao.learner.forward import collect_logprobs
+    from megatron_sao.learner.packing import pack_microbatches
+    from megatron_sao.learner.synthetic import make_batch
+    from megatron_sao.models.builder import ModelSpec, build_model, transformer_config
+    from megatron_sao.models.weights import HFCheckpoint, load_hf_weights
+
+    ctx = init_distributed(ParallelConfig(), seed=3)
+    spec = ModelSpec.from_hf_dir(hf_dir, dtype=dtype)
+    policy = build_model(spec, transformer_config(spec, ParallelConfig(), use_te=use_te), use_te=use_te)
+    if ctx.device.type == "cuda":  # as learner/roles.py does: torch's norms are made on the CPU
+        policy.cuda(ctx.device)
+    load_hf_weights(policy, spec, HFCheckpoint(hf_dir))
+    batch = make_step_batch(make_batch(5), max_seq_len=4096)
+    mbs = pack_microbatches(batch, max_tokens=64, pad_multiple=1, use_thd=use_te)
+    logp = torch.zeros_like(batch.rollout_logprobs)
+    with torch.no_grad():
+        assert collect_logprobs(policy, mbs, logp, temperature=temperature, vocab_size=spec.vocab_size)
+    device = str(next(policy.parameters()).device)
+    destroy_distributed()
+    return {"logp": logp, "mask": batch.action_mask, "device": device, "context_device": str(ctx.device)}
+
+
+@needs_cuda
+def test_the_policy_on_cuda_gives_transformers_logprobs(tiny_hf_dir: Any) -> None:
+    hf_dir = str(tiny_hf_dir("qwen3_moe"))
+    out = spawn_ranks(_policy_logprobs, 1, hf_dir, "fp32", False, 0.7, timeout_s=600)[0]
+    assert out["device"].startswith("cuda") and out["context_device"].startswith("cuda"), out["device"]
+    ref = _hf_logprobs(hf_dir, 0.7)
+    mask = out["mask"].bool()
+    diff = (out["logp"] - ref)[mask].abs()
+    # fp32 on both sides; cuBLAS and the CPU sum in other orders (and TF32 is off by default for matmuls)
+    assert diff.max().item() < 2e-3, diff.max().item()
+
+
+@needs_cuda
+@pytest.mark.skipif(_te_missing() is not None, reason=_te_missing() or "")
+def test_transformer_engine_specs_give_what_the_local_spec_gives(tiny_hf_dir: Any) -> None:
+    hf_dir = str(tiny_hf_dir("qwen3_moe"))
+    te = spawn_ranks(_policy_logprobs, 1, hf_dir, "bf16", True, 1.0, timeout_s=600)[0]
+    local = spawn_ranks(_policy_logprobs, 1, hf_dir, "bf16", False, 1.0, timeout_s=600)[0]
+    mask = te["mask"].bool()
+    diff = (te["logp"] - local["logp"])[mask].abs()
+    # bf16 activations through different kernels (TE's fused attention on THD vs the local block-causal mask)
+    assert diff.mean().item() < 0.02 and diff.max().item() < 0.25, (diff.mean().item(), diff.max().item())
+
+
+def _nccl_group_broadcast_and_abort() -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from megatron_sao.distributed.update_group import abort_update_group, host_store, init_update_group
+
+    store, port = host_store("127.0.0.1", find_free_port(), 1, 60.0)
+    group = init_update_group("nccl", "127.0.0.1", port, 1, 0, "gpu-tier", 60.0, store=store)
+    x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    dist.broadcast(x, src=0, group=group)
+    torch.cuda.synchronize()
+    backend = dist.get_backend(group)
+    abort_update_group(group)
+    return {"last": float(x[-1].item()), "backend": backend, "alive_after_abort": True}
+
+
+@needs_cuda
+def test_an_nccl_update_group_broadcasts_and_aborts_without_ending_the_process() -> None:
+    out = spawn_ranks(_nccl_group_broadcast_and_abort, 1, timeout_s=300)[0]
+    assert out == {"last": float((1 << 20) - 1), "backend": "nccl", "alive_after_abort": True}
+
+
+def _nccl_push_end(rank: int, port: int, names: list[str], shapes: list[list[int]]) -> dict[str, str]:
+    """Rank 0 packs a bucket of seeded bf16/fp32 tensors on cuda:0 and broadcasts it; rank 1 receives on cuda:1 and
+    unpacks it: both return {name: checksum} of the tensors as they hold them."""
+    import torch.distributed as dist
+
+    from megatron_sao.distributed import flat_bucket
+    from megatron_sao.distributed.update_group import destroy_update_group, init_update_group
+
+    torch.cuda.set_device(rank)
+    dtypes = [torch.float32 if "bias" in n else torch.bfloat16 for n in names]
+    order = flat_bucket.aligned_order(list(range(len(names))), lambda i: dtypes[i])
+    slots = flat_bucket.layout([names[i] for i in order], [dtypes[i] for i in order], [shapes[i] for i in order])
+    buffer = torch.empty(flat_bucket.nbytes(slots), dtype=torch.uint8, device="cuda")
+    if rank == 0:
+        g = torch.Generator(device="cuda").manual_seed(7)
+        for s in slots:
+            flat_bucket.view(buffer, s).copy_(torch.randn(s.shape, generator=g, device="cuda").to(s.dtype))
+    group = init_update_group("nccl", "127.0.0.1", port, 2, rank, "gpu-tier-push", 120.0)
+    dist.broadcast(buffer, src=0, group=group)
+    torch.cuda.synchronize()
+    destroy_update_group(group)
+    return {s.name: flat_bucket.tensor_checksum(flat_bucket.view(buffer, s)) for s in slots}
+
+
+def _nccl_push(port: int, names: list[str], shapes: list[list[int]]) -> dict[str, str]:
+    return _nccl_push_end(int(os.environ["RANK"]), port, names, shapes)
+
+
+@needs_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="an NCCL push between two processes needs two GPUs (NCCL refuses two ranks on one device)")
+def test_an_nccl_weight_push_between_two_processes_lands_bit_for_bit() -> None:  # fmt: skip
+    names = ["layers.0.mlp.experts.gate_up_proj", "layers.0.mlp.router.expert_bias", "layers.0.norm.weight"]
+    shapes = [[8, 256, 128], [8], [127]]  # an odd bf16 tensor after the fp32 one: the aligned order handles it
+    sender, receiver = spawn_ranks(_nccl_push, 2, find_free_port(), names, shapes, timeout_s=300)
+    assert sender == receiver and set(sender) == set(names)
+
+
+def _device_push(hf_dir: str, url: str, master_port: int) -> dict[str, Any]:
+    """A bf16 policy on this rank's GPU pushes a changed copy of its weights to the engine at `url` (gloo update
+    group; gathers and packing on the device), verified by the engine's checksums."""
+    from megatron_sao.config import load_config
+    from megatron_sao.distributed import init_distributed
+    from megatron_sao.engines.client import SGLangClient
+    from megatron_sao.learner.learner import Learner
+    from megatron_sao.weight_sync import WeightSync, hf_dtype_of
+
+    cfg = load_config(None, ["--model.hf_path", hf_dir, "--model.dtype", "bf16", "--weight_sync.backend", "gloo",
+                             "--weight_sync.verify", "checksum", "--weight_sync.bucket_mb", "1",
+                             "--weight_sync.master_port", str(master_port)])  # fmt: skip
+    learner = Learner(cfg, roles={"policy"}, layout=init_distributed(cfg.parallel))
+    learner.load_hf(hf_dir)
+    sync = WeightSync(learner.policy.model, learner.spec, hf_dtype_of(learner.hf_source, torch.bfloat16),
+                      cfg.weight_sync, [url])  # fmt: skip
+    with torch.no_grad():
+        for p in learner.policy.model.parameters():
+            p.add_(0.01)
+    t0 = time.monotonic()
+    metrics = sync.push(1)
+    seconds = time.monotonic() - t0
+    out = {"metrics": metrics, "version": SGLangClient(url).weight_version(), "seconds": seconds,
+           "gather_device": str(sync.gather.device), "send_device": str(sync.gather.send_device)}  # fmt: skip
+    sync.close()
+    return out
+
+
+@needs_cuda
+def test_a_learner_on_the_gpu_pushes_to_an_embedded_engine_and_the_checksums_agree(tiny_hf_dir: Any) -> None:
+    from megatron_sao.engines.client import SGLangClient
+
+    hf_dir = str(tiny_hf_dir("qwen3_moe"))
+    port = find_free_port()
+    log_path = Path(tempfile.mkdtemp(prefix="gpu-tier-engine-")) / "engine.log"
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": ""}  # the embedded engine runs on the CPU
+    with open(log_path, "wb") as log:
+        engine = subprocess.Popen([sys.executable, "-m", "megatron_sao", "engine", "--model", hf_dir, "--port",
+                                   str(port)], stdout=log, stderr=subprocess.STDOUT, env=env)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        client = SGLangClient(url)
+        deadline = time.monotonic() + 300
+        while not client.health(timeout_s=1.0):
+            assert engine.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.5)
+        out = spawn_ranks(_device_push, 1, hf_dir, url, find_free_port(), timeout_s=600)[0]
+    finally:
+        engine.kill()
+        engine.wait()
+    print({k: v for k, v in out.items() if k != "metrics"}, {k: v for k, v in out["metrics"].items()
+                                                              if k.startswith("sync/")})  # fmt: skip
+    assert out["metrics"]["sync/failed"] == 0 and out["version"] == 1, out
+    assert out["gather_device"].startswith("cuda"), out
