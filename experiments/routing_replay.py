@@ -5,18 +5,20 @@ share of the top-k decisions differ between the forward that sampled a token and
 arms, the same in everything else (the style example: a random tiny qwen3_moe, 4 experts top-2, one-turn writing
 rewarded for the "cute" style's markers; sao, 8 trajectories per step):
 
-  free     the engines return their routes (rollout.return_routed_experts), the learner routes by its own router
-           and only counts how often it disagrees
-  replay   the learner routes every token as the engine did (learner.routing_replay)
+  free           the engines return their routes (rollout.return_routed_experts), the learner routes by its own
+                 router and only counts how often it disagrees
+  replay         the policy routes every token as the engine did (learner.routing_replay); the critic by its own
+  replay_critic  the policy and the critic both route by the engine's routes (learner.critic_routing_replay)
 
 Reported per arm (mean ± std over seeds, over every policy step): routing/mismatch_frac (the learner's own router
 against the engine's: the same quantity in both arms; on steps whose trajectories all came from the learner's own
 version it is the numeric difference alone, elsewhere policy drift adds to it), dis/masked_frac, dis/mismatch_kl
 (k3 estimate of KL(engine || learner) on the action tokens, from the policy update's forward) and the mean reward
-of the last quarter of the steps.
+of the last quarter of the steps, and the critic's honest explained variance (value/explained_variance: its values
+before the step's first critic update) over the policy steps, the figure that decides whether the critic replays.
 
-    python experiments/routing_replay.py            # 2 arms x 3 seeds x 30 steps, ~5 min on 2 CPUs
-    python experiments/routing_replay.py --quick    # 2 arms x 3 seeds x 6 steps, ~2 min
+    python experiments/routing_replay.py            # 3 arms x 3 seeds x 30 steps, ~8 min on 2 CPUs
+    python experiments/routing_replay.py --quick    # 3 arms x 3 seeds x 6 steps, ~3 min
 """
 
 from __future__ import annotations
@@ -44,9 +46,14 @@ from experiments.harness import (
     save_figure,
 )
 
-ARMS = {"free": ("--rollout.return_routed_experts", "true"), "replay": ("--learner.routing_replay", "true")}
-COLORS = {"free": "C1", "replay": "C0"}
-KEYS = ("routing/mismatch_frac", "dis/masked_frac", "dis/mismatch_kl", "reward/mean")
+ARMS = {
+    "free": ("--rollout.return_routed_experts", "true"),
+    "replay": ("--learner.routing_replay", "true"),
+    "replay_critic": ("--learner.routing_replay", "true", "--learner.critic_routing_replay", "true"),
+}
+COLORS = {"free": "C1", "replay": "C0", "replay_critic": "C2"}
+KEYS = ("routing/mismatch_frac", "dis/masked_frac", "dis/mismatch_kl", "value/explained_variance", "reward/mean")
+MEANS = KEYS[:4]  # averaged over the policy steps; the reward is read over the last quarter
 QUICK = {"steps": 6}
 
 
@@ -84,8 +91,9 @@ def per_run(run: Run) -> dict[str, Any]:
     steps = [s for s in run.steps if "routing/mismatch_frac" in s]
     tail = steps[-max(1, len(steps) // 4) :]
     out: dict[str, Any] = {"seed": run.spec.seed, "policy_steps": len(steps), "wall_s": run.wall_s}
-    for key in KEYS[:3]:
-        out[key] = float(np.mean([s[key] for s in steps])) if steps else None
+    for key in MEANS:
+        vals = [s[key] for s in steps if s.get(key) is not None]
+        out[key] = float(np.mean(vals)) if vals else None
     out["final_reward"] = float(np.mean([s["reward/mean"] for s in tail])) if tail else None
     fresh = [s["routing/mismatch_frac"] for s in steps if s.get("staleness/max", 1) == 0]
     out["mismatch_same_weights"] = float(np.mean(fresh)) if fresh else None  # engine and learner on one version
@@ -95,10 +103,10 @@ def per_run(run: Run) -> dict[str, Any]:
 
 def table(rows: dict[str, list[dict[str, Any]]]) -> str:
     head = ("| arm | seeds | routing/mismatch_frac, steps at staleness 0 | routing/mismatch_frac, all steps | "
-            "dis/masked_frac | dis/mismatch_kl | reward, last quarter |")  # fmt: skip
-    lines = [head, "| --- | --- | --- | --- | --- | --- | --- |"]
+            "dis/masked_frac | dis/mismatch_kl | value/explained_variance | reward, last quarter |")  # fmt: skip
+    lines = [head, "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for arm, runs in rows.items():
-        cells = [mean_spread([r[k] for r in runs]) for k in ("mismatch_same_weights", *KEYS[:3], "final_reward")]
+        cells = [mean_spread([r[k] for r in runs]) for k in ("mismatch_same_weights", *MEANS, "final_reward")]
         lines.append(f"| {arm} | {len(runs)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -116,7 +124,7 @@ def figure(rows: dict[str, list[dict[str, Any]]], png: Path) -> None:
         if key == "dis/mismatch_kl":
             ax.set_yscale("log")
     axes[0].legend()
-    save_figure(fig, png, "bf16 engine, fp32 learner: routing replay off (free) and on")
+    save_figure(fig, png, "bf16 engine, fp32 learner: routing replay off (free), policy only, policy and critic")
 
 
 def main() -> int:
@@ -137,7 +145,8 @@ def main() -> int:
     figure(rows, png)
     note = ("Both arms' engines serve in bfloat16 and return their routes; the learner trains in float32. "
             "routing/mismatch_frac is measured the same way in both (the learner's own top-k set against the "
-            "engine's, per token and layer); only the replay arm routes by the engine's.")  # fmt: skip
+            "engine's, per token and layer); the replay arms' policies route by the engine's, replay_critic's "
+            "critic too.")  # fmt: skip
     publish(f"routing_replay{suffix}", args.results, png, table(rows), note, {"arms": rows})
     return 0
 

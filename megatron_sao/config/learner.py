@@ -86,7 +86,12 @@ class LearnerConfig(Section):
     """MoE routing replay (R3): the policy routes every token of a trajectory to the experts the engine routed it to
     (rollout.return_routed_experts, set with it), in its forward and backward (megatron-core's
     moe_enable_routing_replay); the router weights still get gradients through the gathered scores. The critic
-    routes by its own router (docs/learner.md "Routing replay")."""
+    routes by its own router unless critic_routing_replay (docs/learner.md "Routing replay")."""
+
+    critic_routing_replay: bool = False
+    """The critic routes by the engine's routes too, in its forward for GAE and its K updates (needs
+    learner.routing_replay and the critic on the policy's ranks). Off by default: docs/results.md "Routing replay"
+    measured the critic's explained variance both ways."""
 
     use_distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (megatron DistributedOptimizer)."""

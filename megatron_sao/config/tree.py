@@ -63,6 +63,16 @@ class SAOConfig(Section):
                 raise ValueError(f"learner.routing_replay=true but {self.model.hf_path} is a dense model (no routed "
                                  "experts): set learner.routing_replay=false")  # fmt: skip
             self.rollout.return_routed_experts = True
+        if self.learner.critic_routing_replay:
+            if not self.learner.routing_replay:
+                raise ValueError("learner.critic_routing_replay=true needs learner.routing_replay=true (the engines' "
+                                 "routes reach the learner only then); set both or neither")  # fmt: skip
+            if not self.algo.uses_critic:
+                raise ValueError(f"learner.critic_routing_replay=true but algo.name={self.algo.name} has no critic; "
+                                 "set learner.critic_routing_replay=false")  # fmt: skip
+            if self.learner.value_on_separate_ranks:
+                raise ValueError("learner.critic_routing_replay=true with learner.value_on_separate_ranks=true: the "
+                                 "value job receives no routes; set one of them false")  # fmt: skip
         layouts = [self.parallel] + ([self.learner.value_parallel] if self.learner.value_parallel else [])
         for layout in layouts[1:]:
             if hf is not None and hf.get("num_attention_heads"):

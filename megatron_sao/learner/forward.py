@@ -111,9 +111,11 @@ def _collect(
     return True
 
 
-def collect_values(model: Any, microbatches: Sequence[MicroBatch], out: torch.Tensor) -> bool:
+def collect_values(
+    model: Any, microbatches: Sequence[MicroBatch], out: torch.Tensor, routing: RoutingReplay | None = None
+) -> bool:
     """Value model: V(position) into `out` [B, L]; False off the last pipeline stage."""
-    return _collect(model, microbatches, out, lambda mb, output: output.reshape(-1).float())
+    return _collect(model, microbatches, out, lambda mb, output: output.reshape(-1).float(), routing)
 
 
 def collect_logprobs(

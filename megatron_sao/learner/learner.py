@@ -154,7 +154,7 @@ class Learner:
                 self.spec, cfg.parallel, "value", learner.value,
                 total_steps=learner.max_steps * algo.value.updates_per_policy_step,
                 use_distributed_optimizer=learner.use_distributed_optimizer,
-                recompute=learner.recompute,
+                recompute=learner.recompute, routing="replay" if learner.critic_routing_replay else "off",
             )  # fmt: skip
         self.hf_source: dict[str, Any] | None = None
         """Where the weights came from (models.checkpoint.hf_source_record: HF config, each tensor's HF dtype, tied
@@ -368,12 +368,12 @@ class Learner:
             updates = 1
         else:
             with torch.no_grad():
-                collect_values(self.value.ddp, mbs, old_values)
+                collect_values(self.value.ddp, mbs, old_values, self.value.routing)
             if not self.value_head_fitted:
                 returns = _reward_sums(rewards, gae_mask, algo) if rewards is not None else None
                 self._fit_value_bias(plan, returns, gae_mask)
                 with torch.no_grad():
-                    collect_values(self.value.ddp, mbs, old_values)
+                    collect_values(self.value.ddp, mbs, old_values, self.value.routing)
         advantages = returns = None
         stats: list[dict[str, tuple[float, float]]] = []
         if on_last_stage:
@@ -402,6 +402,10 @@ class Learner:
             self._value_update(plan, returns, old_values, gae_mask, k)
         metrics["value/updates"] = float(k_updates)
         metrics["value/lr"] = self.value.applied_lr
+        if self.value.routing is not None:  # learner.critic_routing_replay: its frozen router against the engine's
+            mismatched, decisions = self.value.routing.take_stats()
+            mismatched, decisions = all_reduce_scalar(mismatched), all_reduce_scalar(decisions)
+            metrics["routing/critic_mismatch_frac"] = mismatched / decisions if decisions else 0.0
         return advantages if advantages is not None else torch.zeros_like(old_values)
 
     def _value_update(

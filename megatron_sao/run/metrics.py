@@ -116,6 +116,12 @@ SCHEMA: tuple[Metric, ...] = (
         "engine did, in the policy update's forward, over the positions the engines routed (replayed or not)",
     ),  # fmt: skip
     Metric("routing/replayed", "routes", "1 when the policy routed by the engines' routes (learner.routing_replay)"),
+    Metric(
+        "routing/critic_mismatch_frac",
+        "routes",
+        "with learner.critic_routing_replay: the same share for the critic's own router (frozen in training) against "
+        "the engines', over the critic's forwards of the step, which all replayed the engines' routes",
+    ),  # fmt: skip
     Metric("moe/*", "moe", "MoE router losses per layer (load-balancing aux loss, z-loss), as megatron tracks them"),
     Metric(
         "pretrain/*",

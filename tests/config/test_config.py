@@ -230,3 +230,14 @@ def test_routing_replay_asks_the_engines_for_routes_and_refuses_a_dense_model(tm
     (tmp_path / "dense" / "config.json").write_text(json.dumps(dense))
     with pytest.raises(ConfigError, match="learner.routing_replay=true but .* is a dense model"):
         load_config(None, [f"--model.hf_path={tmp_path / 'dense'}", "--learner.routing_replay=true"])
+
+
+def test_critic_routing_replay_needs_the_routes_a_critic_and_the_policy_s_ranks():
+    on = ["--learner.critic_routing_replay=true"]
+    with pytest.raises(ConfigError, match="critic_routing_replay=true needs learner.routing_replay=true"):
+        load_config(None, on)
+    with pytest.raises(ConfigError, match="algo.name=grpo has no critic"):
+        load_config(None, [*on, "--learner.routing_replay=true", "--algo.name=grpo"])
+    with pytest.raises(ConfigError, match="value job receives no routes"):
+        load_config(None, [*on, "--learner.routing_replay=true", "--learner.value_on_separate_ranks=true"])
+    assert load_config(None, [*on, "--learner.routing_replay=true"]).learner.critic_routing_replay

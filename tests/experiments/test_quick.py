@@ -114,8 +114,9 @@ def test_critic_matters_quick(tmp_path: Path) -> None:
 def test_routing_replay_quick(tmp_path: Path) -> None:
     _, results, figures = _quick("routing_replay.py", tmp_path)
     body = _section(results, "routing_replay_quick")
-    assert "| free | 3 |" in body and "| replay | 3 |" in body
+    assert "| free | 3 |" in body and "| replay | 3 |" in body and "| replay_critic | 3 |" in body
     _png(figures / "routing_replay_quick.png")
     arms = json.loads((figures / "routing_replay_quick.json").read_text())["arms"]
     runs = [r for arm in arms.values() for r in arm]
-    assert len(runs) == 6 and all(r["policy_steps"] == 6 and r["routing/mismatch_frac"] is not None for r in runs)
+    assert len(runs) == 9 and all(r["policy_steps"] == 6 and r["routing/mismatch_frac"] is not None for r in runs)
+    assert all(r["value/explained_variance"] is not None for r in runs)

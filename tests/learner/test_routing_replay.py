@@ -149,3 +149,46 @@ def test_replay_updates_the_same_at_every_layout_and_under_recompute(tiny_hf_dir
         _compare(ref_policy, _assembled(per_rank, layout, "policy"), 1e-6)
         for rank in per_rank:
             assert rank[layout]["metrics"]["routing/mismatch_frac"] == pytest.approx(mismatch, abs=1e-9), layout
+
+
+def _critic_values_and_step(hf_dir: str, trajectories, critic_replay: bool) -> dict:
+    """The critic's values of the trajectories (a random head, so they depend on the routing), then one step."""
+    from megatron_sao.distributed import destroy_distributed, init_distributed
+    from megatron_sao.learner.batch import make_step_batch
+    from megatron_sao.learner.forward import collect_values
+    from megatron_sao.learner.learner import Learner
+
+    extra = (*MODES["replay"], "--learner.critic_routing_replay", str(critic_replay).lower())
+    cfg = learner_config(hf_dir, {}, 1, extra=extra)
+    init_distributed(cfg.parallel, seed=5)
+    learner = Learner(cfg)
+    learner.load_hf(hf_dir)
+    head = learner.value.model.output_layer
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(5)) * 0.1)
+    learner.value.reload_main_params()
+    batch = make_step_batch(trajectories, cfg.model.max_seq_len)
+    values = torch.zeros_like(batch.rollout_logprobs)
+    with torch.no_grad():
+        collect_values(learner.value.ddp, learner._microbatches(batch), values, learner.value.routing)
+    if learner.value.routing is not None:
+        learner.value.routing.take_stats()
+    out = {"values": values, "mask": batch.action_mask, "metrics": learner.train_step(trajectories)}
+    destroy_distributed(keep_process_group=True)
+    return out
+
+
+@pytest.mark.multiproc
+def test_the_critic_replays_the_engine_s_routes_only_when_asked(tiny_hf_dir) -> None:
+    """learner.critic_routing_replay: the critic's forward routes by the engine's routes (its values change where the
+    perturbed engine routed otherwise) and its frozen router's disagreement is logged; off, the critic routes by its
+    own router as before."""
+    hf_dir = str(tiny_hf_dir("qwen3_moe"))
+    trajectories, differ = engine_trajectories(hf_dir)
+    own = spawn_ranks(_critic_values_and_step, 1, hf_dir, trajectories, False, timeout_s=300)[0]
+    replayed = spawn_ranks(_critic_values_and_step, 1, hf_dir, trajectories, True, timeout_s=300)[0]
+    mask = own["mask"]
+    assert float((own["values"] - replayed["values"])[mask].abs().max()) > 1e-4
+    assert "routing/critic_mismatch_frac" not in own["metrics"]
+    # the critic's router starts as the policy's (the unperturbed weights) and stays frozen
+    assert replayed["metrics"]["routing/critic_mismatch_frac"] == pytest.approx(differ, abs=0.01)
