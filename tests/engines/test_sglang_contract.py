@@ -339,3 +339,98 @@ def test_routed_experts_follow_sglang_s_fields_flag_and_format() -> None:
     body = P.build_generate_request([1, 2, 3], {"max_new_tokens": 2}, routed_experts_start_len=2)
     assert set(body) <= set(fields) and body["return_routed_experts"] is True and body["routed_experts_start_len"] == 2
     assert "routed_experts_start_len" not in P.build_generate_request([1], {}, routed_experts_start_len=0)
+
+
+# ---- every field of the request structs, classified (engines/embedded/fields.py) ------------------------------
+def _wheel_default(node: ast.AnnAssign) -> Any:
+    """A field's default as a Python value: its literal, `field(default=...)`'s, None for a required field, and
+    `...` where the default is no literal (a factory)."""
+    value = node.value
+    if value is None:
+        return None
+    if isinstance(value, ast.Call) and ast.unparse(value.func) == "field":
+        kw = {k.arg: k.value for k in value.keywords}
+        value = kw.get("default")
+        if value is None:
+            return ...
+    try:
+        return ast.literal_eval(value)
+    except ValueError:
+        return ...
+
+
+def _classified(fields: dict[str, ast.AnnAssign], ours: dict[str, Any], where: str) -> None:
+    from megatron_sao.engines.embedded.fields import Default
+
+    assert set(fields) == set(ours), (
+        f"{where}: classify {sorted(set(fields) - set(ours))} in engines/embedded/fields.py; "
+        f"{sorted(set(ours) - set(fields))} are no longer SGLang's fields"
+    )
+    for name, handling in ours.items():
+        if isinstance(handling, Default):
+            default = _wheel_default(fields[name])
+            assert default is ... or handling.accepts(default), (where, name, default, handling.value)
+
+
+def test_every_field_of_generate_and_sampling_params_is_classified() -> None:
+    from megatron_sao.engines.embedded import fields as F
+    from megatron_sao.engines.embedded.generate import SUPPORTED
+
+    _classified(sglang_source.class_fields(IO, "GenerateReqInput"), F.GENERATE_REQ_INPUT, "GenerateReqInput")
+    _classified(sglang_source.class_fields("api/v1/api_types.py", "SamplingParams"), F.SAMPLING_PARAMS,
+                "SamplingParams")  # fmt: skip
+    assert {k for k, v in F.SAMPLING_PARAMS.items() if v == F.SERVED} == set(SUPPORTED)
+    for name in GENERATE_REQ_INPUT_FIELDS:  # what the client sends, the engine serves
+        assert F.GENERATE_REQ_INPUT[name] == F.SERVED, name
+
+
+def test_every_field_of_the_control_structs_is_classified() -> None:
+    from megatron_sao.engines.embedded import fields as F
+    from megatron_sao.engines.embedded.server import CONTROL_STRUCTS as SERVED_STRUCTS
+
+    assert set(F.CONTROL) == set(SERVED_STRUCTS.values())
+    for path, cls in CONTROL_STRUCTS.items():  # the client's calls go to the struct the engine checks
+        assert SERVED_STRUCTS[path] == cls, path
+    for cls, ours in F.CONTROL.items():
+        _classified(sglang_source.class_fields(IO, cls), ours, cls)
+
+
+def _every_default(fields: dict[str, ast.AnnAssign], ours: dict[str, Any]) -> dict[str, Any]:
+    from megatron_sao.engines.embedded.fields import Default
+
+    out = {}
+    for name, handling in ours.items():
+        default = _wheel_default(fields[name])
+        if isinstance(handling, Default) and default is not ...:
+            out[name] = default
+    return out
+
+
+def test_the_engine_takes_every_generate_field_at_its_default_and_names_one_it_cannot_honour(engine_url: str) -> None:
+    """What a gateway in front of the engines does (sglang-router forwards SGLang's fields at their defaults, and a
+    `model` key that is no field: SGLang ignores it, so does the engine); a field set to what the engine cannot do is
+    a 400 naming it and the value."""
+    from megatron_sao.engines.embedded import fields as F
+
+    client = SGLangClient(engine_url)
+    body = P.build_generate_request([1, 5, 6], {"max_new_tokens": 3, "temperature": 0.0})
+    defaults = _every_default(sglang_source.class_fields(IO, "GenerateReqInput"), F.GENERATE_REQ_INPUT)
+    sampling = _every_default(sglang_source.class_fields("api/v1/api_types.py", "SamplingParams"), F.SAMPLING_PARAMS)
+    full = {**defaults, **body, "model": "default", "log_metrics": False, "custom_labels": {"team": "rl"},
+            "sampling_params": {**sampling, **body["sampling_params"], "skip_special_tokens": False}}  # fmt: skip
+    out = client.request("POST", P.GENERATE, full)
+    assert P.parse_generate_response(out).output_ids == client.request("POST", P.GENERATE, body)["output_ids"]
+    for key, value in (("return_hidden_states", True), ("lora_path", "adapter"), ("background", True)):
+        with pytest.raises(EngineError) as err:
+            client.request("POST", P.GENERATE, {**body, key: value})
+        assert err.value.status == 400 and f"/generate.{key}={value!r}" in str(err.value), str(err.value)
+    with pytest.raises(EngineError) as err:
+        client.request("POST", P.GENERATE, {**body, "sampling_params": {**body["sampling_params"], "n": 2}})
+    assert err.value.status == 400 and "sampling_params.n=2" in str(err.value)
+    with pytest.raises(EngineError) as err:
+        client.request("POST", P.GENERATE, {**body, "sampling_params": "fast"})
+    assert err.value.status == 400 and "must be a JSON object" in str(err.value)
+    client.request("POST", P.ABORT_REQUEST, {"rid": "nobody", "http_worker_ipc": "ipc://x", "abort_message": None})
+    with pytest.raises(EngineError) as err:  # the control structs too
+        client.request("POST", P.ABORT_REQUEST, {"rid": "nobody", "abort_message": "stop"})
+    assert err.value.status == 400 and "/abort_request.abort_message='stop'" in str(err.value)

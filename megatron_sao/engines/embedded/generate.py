@@ -6,8 +6,10 @@ Accepted: `input_ids` (one list, or a list of lists for a batch) or, when the en
 `logprob_start_len` (-1 only), `top_logprobs_num` (0 only), `stream` (false only), `return_routed_experts` and
 `routed_experts_start_len` (SGLang's routing capture: with --enable-return-routed-experts, meta_info.routed_experts
 is base64 of int32 [seqlen - 1 - start_len, num_hidden_layers, top_k], the experts of positions [start_len,
-seqlen - 1); without the flag SGLang returns none and neither does this engine). SGLang keys the engine cannot
-honour (stop strings, grammars, penalties, n > 1, ...) are rejected with a 400 naming the key, never ignored.
+seqlen - 1); without the flag SGLang returns none and neither does this engine). Every other field of SGLang's
+GenerateReqInput and SamplingParams is classified in embedded/fields.py: accepted where it changes nothing the engine
+computes, accepted at its default otherwise, and refused with a 400 naming the field and the value when set to what
+the engine cannot honour (stop strings, grammars, penalties, n > 1, images, LoRA, ...), never silently dropped.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import torch
 
+from megatron_sao.engines.embedded.fields import GENERATE_REQ_INPUT, SAMPLING_PARAMS, check_fields
 from megatron_sao.engines.embedded.model_runner import SamplingParams
 from megatron_sao.engines.embedded.scheduler import Request, Scheduler
 
@@ -33,26 +36,21 @@ SUPPORTED = {
     "ignore_eos": bool,
     "sampling_seed": int,
 }
-TEXT_ONLY = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}  # affect detokenized text only
-NEUTRAL_DEFAULTS = {"n": 1, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-                    "min_new_tokens": 0, "stop": None, "regex": None, "json_schema": None, "ebnf": None}  # fmt: skip
-TOP_LEVEL = {"input_ids", "text", "sampling_params", "return_logprob", "return_text_in_logprobs", "rid", "stream",
-             "logprob_start_len", "top_logprobs_num", "return_routed_experts", "routed_experts_start_len"}  # fmt: skip
+"""The sampling parameters the engine honours (fields.SAMPLING_PARAMS marks exactly these SERVED) and their types."""
 
 
 def sampling_from_json(sp: dict[str, Any], vocab_size: int) -> SamplingParams:
     """Validate SGLang sampling_params into SamplingParams; ValueError names the offending key."""
+    if not isinstance(sp, dict):
+        raise ValueError(f"sampling_params must be a JSON object (or a list of them, one per input), got {sp!r}")
+    unknown = sorted(set(sp) - set(SAMPLING_PARAMS))
+    if unknown:  # SGLang rejects unknown sampling keys too
+        raise ValueError(f"unknown sampling_params key {unknown[0]!r}; supported: {sorted(SUPPORTED)}")
+    check_fields(sp, SAMPLING_PARAMS, "sampling_params")
     kwargs: dict[str, Any] = {}
     for key, value in sp.items():
-        if key in SUPPORTED:
-            if value is None:
-                continue
+        if key in SUPPORTED and value is not None:
             kwargs[key] = tuple(int(t) for t in value) if key == "stop_token_ids" else SUPPORTED[key](value)
-        elif key in NEUTRAL_DEFAULTS:
-            if value not in (NEUTRAL_DEFAULTS[key], None, [], ""):
-                raise ValueError(f"sampling_params.{key}={value!r} is not supported by the embedded engine")
-        elif key not in TEXT_ONLY:
-            raise ValueError(f"unknown sampling_params key {key!r}; supported: {sorted(SUPPORTED)}")
     p = SamplingParams(**kwargs)
     for key in ("temperature", "top_p", "min_p"):  # NaN passes every comparison below: refuse it here
         if not math.isfinite(getattr(p, key)):
@@ -103,9 +101,7 @@ class GenerateHandler:
         return 200, out[0] if single else out
 
     def _parse(self, body: dict[str, Any]) -> tuple[list[Request], dict[str, Any], bool]:
-        unknown = set(body) - TOP_LEVEL
-        if unknown:
-            raise ValueError(f"/generate fields {sorted(unknown)} are not supported by the embedded engine")
+        check_fields(body, GENERATE_REQ_INPUT, "/generate")
         if body.get("stream"):
             raise ValueError("stream=true is not supported by the embedded engine; send stream=false")
         if body.get("logprob_start_len", -1) not in (-1, None) or body.get("top_logprobs_num") not in (0, None):

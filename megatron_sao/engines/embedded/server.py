@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from megatron_sao.distributed import flat_bucket
 from megatron_sao.engines import protocol as P
+from megatron_sao.engines.embedded.fields import CONTROL, check_fields
 from megatron_sao.engines.embedded.generate import GenerateHandler
 from megatron_sao.engines.embedded.kv_cache import SlotKVCache
 from megatron_sao.engines.embedded.scheduler import Scheduler
@@ -48,6 +49,22 @@ EMULATED_SGLANG = "0.5.23"
 
 ORDER_SHOWN = 10_000
 """/server_info's weight_update_order: the group of each of the last this many updates, in the order received."""
+
+CONTROL_STRUCTS = {
+    P.INIT_WEIGHTS_UPDATE_GROUP: "InitWeightsUpdateGroupReqInput",
+    P.DESTROY_WEIGHTS_UPDATE_GROUP: "DestroyWeightsUpdateGroupReqInput",
+    P.UPDATE_WEIGHTS_FROM_DISTRIBUTED: "UpdateWeightsFromDistributedReqInput",
+    P.UPDATE_WEIGHT_VERSION: "UpdateWeightVersionReqInput",
+    P.PAUSE_GENERATION: "PauseGenerationReqInput",
+    P.CONTINUE_GENERATION: "ContinueGenerationReqInput",
+    P.ABORT_REQUEST: "AbortReq",
+    P.GET_WEIGHTS_BY_NAME: "GetWeightsByNameReqInput",
+    P.FLUSH_CACHE: "FlushCacheReqInput",
+    P.BEGIN_WEIGHT_UPDATE: "BeginWeightUpdateReqInput",
+    P.END_WEIGHT_UPDATE: "EndWeightUpdateReqInput",
+    P.WEIGHTS_CHECKER: "CheckWeightsReqInput",
+}
+"""The io_struct.py request struct behind each control route (fields.CONTROL classifies its fields)."""
 
 
 class EngineState:
@@ -67,6 +84,9 @@ class EngineState:
     # Each route returns (status, JSON-able body or str).
     def route(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         s = self.scheduler
+        struct = CONTROL_STRUCTS.get(path)
+        if struct is not None:  # a field set to what the engine cannot honour: 400 naming it (fields.py)
+            check_fields(body, CONTROL[struct], path)
         if path == P.GENERATE and method in ("POST", "PUT"):
             return self.generate.handle(body)
         if path in (P.HEALTH, P.HEALTH_GENERATE):
