@@ -132,6 +132,13 @@ class RolloutConfig(Section):
     engine_urls: list[str] = Field(default_factory=list)
     """Already running engines (http://host:port); when set, nothing is launched."""
 
+    router_url: str | None = None
+    """A gateway in front of the engines that speaks SGLang's /generate (sglang-router, http://host:port): the rollout
+    workers send every generation there and the gateway picks the engine. Weight pushes, health and version checks
+    still go to each engine (engine_urls or the launched ones). The gateway does not know weight versions, so an
+    engine behind on weights is not left out as the workers' own picking does (docs/rollout.md "Behind a gateway");
+    when the gateway is unreachable a worker falls back to picking engines itself for that request."""
+
     model_path: str | None = None
     """The checkpoint the engines serve (None: model.hf_path). A block-FP8 checkpoint (config.json
     quantization_config fp8 with weight_block_size, `*_scale_inv` tensors) halves the engines' weight memory: the
@@ -198,4 +205,7 @@ class RolloutConfig(Section):
                 "rollout.model_path to a block-FP8 checkpoint of the model (its -FP8 release, or `python -m "
                 "megatron_sao.models.fp8 SRC DST`): the learner then quantizes every push into its format"
             )
+        if self.router_url is not None and not self.router_url.startswith(("http://", "https://")):
+            raise ValueError(f"rollout.router_url={self.router_url!r} must be an http(s)://host:port URL of the "
+                             "gateway (sglang-router's --host/--port), or unset")  # fmt: skip
         return self

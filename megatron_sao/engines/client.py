@@ -370,10 +370,14 @@ class EngineRouter:
 
     VERSION_PROBE_S = 2.0
 
-    def __init__(self, clients: list[SGLangClient]) -> None:
+    def __init__(self, clients: list[SGLangClient], gateway: SGLangClient | None = None) -> None:
+        """`gateway` (rollout.router_url): generations go to it, and it picks the engine (it does not know weight
+        versions, so lagging engines are not left out); when it is unreachable, this router picks for the request."""
         if not clients:
             raise ValueError("EngineRouter needs at least one engine (rollout.engine_urls or launched engines)")
         self.clients = clients
+        self.gateway = gateway
+        self._gateway = {"requests": 0, "failures": 0, "tokens": 0, "outstanding": 0, "healthy": True}
         self._lock = threading.Lock()
         self._outstanding = {c.url: 0 for c in clients}
         self._healthy = {c.url: True for c in clients}
@@ -457,7 +461,26 @@ class EngineRouter:
         routed_experts_start_len: int | None = None,
     ) -> tuple[P.GenerateResult, str]:
         """Generate on the least-loaded healthy engine that is not behind on weights, failing over; returns (result,
-        engine url)."""
+        engine url). With a gateway: on the gateway (result, gateway url), falling back to the above when it is
+        unreachable."""
+        if self.gateway is not None:
+            with self._lock:
+                self._gateway["requests"] += 1
+                self._gateway["outstanding"] += 1
+            try:
+                result = self.gateway.generate(input_ids, sampling_params, timeout_s=timeout_s,
+                                               routed_experts_start_len=routed_experts_start_len)  # fmt: skip
+            except (EngineUnavailable, EngineTimeout) as e:
+                log.warning("gateway %s failed (%s); picking an engine directly for this request", self.gateway.url, e)
+                with self._lock:
+                    self._gateway.update(failures=self._gateway["failures"] + 1, healthy=False)
+            else:
+                with self._lock:
+                    self._gateway.update(tokens=self._gateway["tokens"] + len(result.output_ids), healthy=True)
+                return result, self.gateway.url
+            finally:
+                with self._lock:
+                    self._gateway["outstanding"] -= 1
         self._probe_lagging()
         tried: set[str] = set()
         while True:
@@ -498,8 +521,11 @@ class EngineRouter:
     def stats(self) -> dict[str, Any]:
         lagging = set(self.lagging())
         with self._lock:
-            return {
+            out = {
                 u: {**self._counts[u], "outstanding": self._outstanding[u], "healthy": self._healthy[u],
                     "weight_version": self._versions.get(u), "lagging": u in lagging}
                 for u in self._outstanding
             }  # fmt: skip
+            if self.gateway is not None:
+                out[self.gateway.url] = {**self._gateway, "weight_version": None, "lagging": False, "gateway": True}
+            return out

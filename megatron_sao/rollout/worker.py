@@ -570,7 +570,9 @@ def worker_from_config(
     if not records:
         raise ValueError(f"prompt shard {index}/{count} is empty: {count} workers for fewer prompts; run fewer workers")
     clients = [SGLangClient(u, timeout_s=r.request_timeout_s, retry=RetryPolicy(r.max_retries)) for u in engine_urls]
-    router = EngineRouter(clients)
+    gateway = None if r.router_url is None else SGLangClient(r.router_url, timeout_s=r.request_timeout_s,
+                                                             retry=RetryPolicy(r.max_retries))  # fmt: skip
+    router = EngineRouter(clients, gateway)
     routes = None
     if r.return_routed_experts:
         from megatron_sao.bus.schema import Routes

@@ -241,3 +241,9 @@ def test_critic_routing_replay_needs_the_routes_a_critic_and_the_policy_s_ranks(
     with pytest.raises(ConfigError, match="value job receives no routes"):
         load_config(None, [*on, "--learner.routing_replay=true", "--learner.value_on_separate_ranks=true"])
     assert load_config(None, [*on, "--learner.routing_replay=true"]).learner.critic_routing_replay
+
+
+def test_router_url_must_be_an_http_url():
+    assert load_config(None, ["--rollout.router_url", "http://10.0.0.1:30000"]).rollout.router_url
+    with pytest.raises(ConfigError, match="rollout.router_url='10.0.0.1:30000' must be an http"):
+        load_config(None, ["--rollout.router_url", "10.0.0.1:30000"])
