@@ -27,9 +27,8 @@ if [ $# -eq 0 ]; then
     --out runs/tiny_agentic/warm
   exec "$SAO_PYTHON" -m megatron_sao run examples/tiny_agentic/config.yaml
 fi
-if [ "$1" = "style" ]; then
+if [ "$1" = "style" ]; then  # the config makes its tiny model (model.make_tiny)
   shift
-  tiny_model runs/tiny_cpu/model 64
   exec "$SAO_PYTHON" -m megatron_sao run examples/tiny_cpu/config.yaml "$@"
 fi
 exec "$SAO_PYTHON" -m megatron_sao "$@"

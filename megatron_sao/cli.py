@@ -211,10 +211,13 @@ def _submit(ns: argparse.Namespace, rest: list[str]) -> int:
     from megatron_sao.launch.sbatch import render_sbatch, submit
     from megatron_sao.launch.slurm import dry_run
 
-    if cfg.launch.mode != "slurm":
-        print(f"error: launch.mode={cfg.launch.mode!r}: submit runs launch.mode=slurm configs; set launch.mode: slurm "
-              "(or --launch.mode slurm)", file=sys.stderr)  # fmt: skip
-        return 2
+    if cfg.launch.mode != "slurm":  # submitting is asking for Slurm: the job runs the config as launch.mode=slurm
+        print(f"[submit] {args.config} is launch.mode={cfg.launch.mode}; the job runs it with --launch.mode slurm",
+              flush=True)  # fmt: skip
+        overrides = [*overrides, "--launch.mode", "slurm"]
+        cfg = _read_config(args.config, overrides)
+        if cfg is None:
+            return 2
     try:
         plan = dry_run(cfg, args.config, overrides)  # the node map must fit before anything is queued
     except NodeMapError as e:
@@ -231,7 +234,15 @@ def _submit(ns: argparse.Namespace, rest: list[str]) -> int:
         return 2
     print(f"[submit] job {job}: {script}; its output: {script.parent / 'logs' / f'slurm-{job}.out'}", flush=True)
     if args.wait:
-        print(f"[submit] job {job} ended with {code}", flush=True)
+        from megatron_sao.run.summary import summarize
+
+        run_dir = script.parent  # <run_dir>/slurm.sbatch
+        steps = int(summarize(run_dir).get("policy_steps") or 0)
+        print(f"[submit] job {job} ended with {code}; policy steps in {run_dir}: {steps}", flush=True)
+        if code == 0 and not steps:
+            print(f"error: job {job} exited 0 but trained nothing (no policy step in {run_dir / 'metrics.jsonl'}); "
+                  f"read {run_dir / 'logs' / f'slurm-{job}.out'}", file=sys.stderr)  # fmt: skip
+            return 1
     return code
 
 

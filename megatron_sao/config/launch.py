@@ -73,9 +73,11 @@ class LaunchConfig(Section):
     torchrun meets on rdzv_port + 1 of its first node; the bridge to the policy job is rdzv_port + 2 on the learner's
     first node."""
 
-    gpus_per_node: int = Field(default=8, ge=0)
+    gpus_per_node: int | None = Field(default=None, ge=0)
     """GPUs per node: the sbatch request (--gpus-per-node; none when 0), the SGLang engines' --base-gpu-id offsets,
-    and the bound on engines per node (tp x dp each) and on nproc_per_node of a GPU learner."""
+    and the bound on engines per node (tp x dp each) and on nproc_per_node of a GPU learner. Unset: 8 when the config
+    needs GPUs (rollout.engine=sglang, or weight_sync.backend=nccl), else 0, so a CPU config asks a cluster without
+    GPU GRES for none."""
 
     rdzv_port: int = Field(default=29400, ge=1024, le=65535)
     """torchrun's rendezvous port on the first learner node."""

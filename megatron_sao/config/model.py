@@ -6,11 +6,20 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from megatron_sao.config.base import Section
 
 ModelFamily = Literal["qwen3_moe", "glm4_moe", "glm_moe_dsa"]
+
+
+class TinyModelConfig(Section):
+    """A tiny random model of `model.family` with a tokenizer (models/tiny.py; tools/make_tiny_model.py's options)."""
+
+    hidden: int = Field(default=64, ge=16, multiple_of=16)
+    layers: int = Field(default=2, ge=1)
+    experts: int = Field(default=4, ge=1)
+    seed: int = 0
 
 
 class ModelConfig(Section):
@@ -36,6 +45,22 @@ class ModelConfig(Section):
 
     use_dsa_indexer: bool = False
     """glm_moe_dsa only: run the DeepSeek sparse-attention indexer. Off: dense MLA (see docs/models.md)."""
+
+    make_tiny: TinyModelConfig | None = None
+    """When hf_path holds no config.json yet, `run` (local, or the Slurm job on its first node) first makes a tiny
+    random model of `family` there, as ./launch.sh does for the CPU examples; an existing model is never touched.
+    For the CPU examples only: a real run points hf_path at a checkpoint."""
+
+    @model_validator(mode="after")
+    def _check_make_tiny(self) -> ModelConfig:
+        if self.make_tiny is None:
+            return self
+        if self.hf_path is None or self.family is None:
+            raise ValueError("model.make_tiny needs model.hf_path (where to make it) and model.family (which one)")
+        if self.num_experts is not None and self.num_experts != self.make_tiny.experts:
+            raise ValueError(f"model.make_tiny.experts={self.make_tiny.experts} but model.num_experts="
+                             f"{self.num_experts}: make them equal")  # fmt: skip
+        return self
 
     @field_validator("hf_path")
     @classmethod

@@ -41,6 +41,9 @@ class SAOConfig(Section):
         if "stale_log_dir" not in self.bus.model_fields_set:  # the trajectory ledger reads <run_dir>/stale.jsonl
             self.bus.stale_log_dir = str(self.launch.run_dir)
         self.parallel.check_world_size(self.launch.learner_world_size)
+        if self.launch.gpus_per_node is None:
+            needs_gpus = self.rollout.engine == "sglang" or self.weight_sync.backend == "nccl"
+            self.launch.gpus_per_node = 8 if needs_gpus else 0
         if self.learner.value_on_separate_ranks:
             if not self.algo.uses_critic:
                 raise ValueError(f"learner.value_on_separate_ranks=true but algo.name={self.algo.name} has no critic; "

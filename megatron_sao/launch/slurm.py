@@ -33,6 +33,7 @@ from megatron_sao.config.tree import SAOConfig
 from megatron_sao.engines.client import SGLangClient
 from megatron_sao.launch.nodemap import Node, NodeMap, placeholder_nodes, plan
 from megatron_sao.launch.steps import Step, build_steps, describe
+from megatron_sao.models.tiny import make_configured
 
 log = logging.getLogger(__name__)
 
@@ -326,6 +327,7 @@ class SlurmRun:
 def run_slurm(cfg: SAOConfig, config_path: str, overrides: list[str]) -> int:
     """Inside an allocation: run every role as a step, watch them; the exit status (module docstring)."""
     try:
+        make_configured(cfg.model)  # on the first node, before any step reads the model
         return SlurmRun(cfg, config_path, overrides, allocation_nodes()).run()
     except LaunchError as e:
         print(f"[launch] error: {e}", file=sys.stderr, flush=True)

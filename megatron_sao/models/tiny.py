@@ -217,3 +217,14 @@ def make_tiny_model(
     }
     (out / "tiny_model.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out
+
+
+def make_configured(model: Any) -> Path | None:
+    """`model.make_tiny` (config/model.py): make the tiny model at model.hf_path when nothing is there yet; its
+    path, or None when there was nothing to make."""
+    spec = model.make_tiny
+    if spec is None or model.hf_path is None or (Path(model.hf_path) / "config.json").is_file():
+        return None
+    print(f"[model] making a tiny random {model.family} at {model.hf_path} (model.make_tiny)", flush=True)
+    return Path(make_tiny_model(model.family, model.hf_path, layers=spec.layers, hidden=spec.hidden,
+                                experts=spec.experts, seed=spec.seed, force=True))  # fmt: skip

@@ -25,6 +25,7 @@ from typing import Any
 from megatron_sao.config.tree import SAOConfig
 from megatron_sao.distributed.spawn import child_env
 from megatron_sao.engines import sglang_launcher as engines
+from megatron_sao.models.tiny import make_configured
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ def run_local(cfg: SAOConfig, config_path: str, overrides: list[str]) -> dict[st
     if cfg.launch.mode != "local":
         raise ValueError(f"launch.mode={cfg.launch.mode!r}: run_local starts everything on this machine; "
                          "launch.mode=slurm goes through launch/slurm.py")  # fmt: skip
+    make_configured(cfg.model)
     if not cfg.model.hf_path or not Path(cfg.model.hf_path).is_dir():
         raise ValueError(f"model.hf_path={cfg.model.hf_path!r} is not a directory: point it at an HF model (for the "
                          "tiny example: python tools/make_tiny_model.py --family qwen3_moe --out <dir>)")  # fmt: skip

@@ -196,3 +196,41 @@ def test_an_engine_spanning_two_nodes_takes_pushes_from_a_tp2_pp2_learner(
         assert r["staleness/max"] == 0
         assert r["dis/logprob_abs_diff"] < 1e-4, r  # fp32 learner and engine on the same weights
     assert_ledger_ok(run_dir)
+
+
+def test_the_cpu_example_runs_on_one_node_of_a_cluster_without_gpus(cluster: dict[str, str], tmp_path: Path) -> None:
+    """`./launch.sh submit examples/tiny_cpu/config.yaml --wait --learner.max_steps 6` as a new user types it, on a
+    cluster without GPU GRES: the example is launch.mode=local (submit runs it as slurm), asks for no GPU, makes its
+    tiny model in the job (model.make_tiny), and runs every role on one node, the one-rank learner under torchrun.
+    Only the run dir, the model dir and the ports are moved out of the way of the other tests."""
+    run_dir, model = tmp_path / "run", tmp_path / "model"
+    bus, sync, engine, rdzv = _free_ports(4)
+    args = ["--learner.max_steps", "6", "--launch.run_dir", str(run_dir), "--model.hf_path", str(model),
+            "--bus.bind", f"tcp://127.0.0.1:{bus}", "--weight_sync.master_port", str(sync), "--rollout.base_port",
+            str(engine), "--launch.rdzv_port", str(rdzv)]  # fmt: skip
+    job, code, said = _submit(cluster, args, wait=True)
+    out = _output(run_dir, job)
+    assert code == 0, said + out[-4000:]
+    assert "runs it with --launch.mode slurm" in said and "policy steps in" in said
+    script = (run_dir / "slurm.sbatch").read_text()
+    assert "--gpus" not in script and "--nodes=1" in script, script
+    assert (model / "config.json").is_file() and "making a tiny random qwen3_moe" in out
+    assert re.search(r"n1 +127\.0\.0\.1 +learner, engine-0, rollout-0", out), out[-4000:]
+    assert "learner on 1 node(s) x 1 rank(s)" in out, out[-4000:]
+    assert [r["weight_version"] for r in _steps(run_dir) if r["weight_version"] > 0] == [1, 2, 3, 4, 5, 6]
+    assert_ledger_ok(run_dir)
+
+
+def test_submit_wait_fails_a_job_that_trained_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job that exits 0 without a single policy step (e.g. a learner that never got trajectories) is a failure."""
+    from megatron_sao import cli
+    from megatron_sao.launch import sbatch
+
+    script = tmp_path / "run" / "slurm.sbatch"
+    script.parent.mkdir()
+    monkeypatch.setattr(sbatch, "submit", lambda *a, **k: (script, 42, 0))
+    config = ["examples/tiny_cpu/config.yaml", "--launch.run_dir", str(tmp_path / "run"), "--wait"]
+    assert cli.main(["submit", *config]) == 1
+    (script.parent / "metrics.jsonl").write_text(json.dumps({"weight_version": 1, "step/trajectories": 8,
+                                                             "reward/mean": 0.5, "time": 1.0}) + "\n")  # fmt: skip
+    assert cli.main(["submit", *config]) == 0
