@@ -14,6 +14,8 @@ plan CONFIG --nodes N [--gpus-per-node 8 --gpu-mem-gb 80 --ib-gbps 400 ...]
 submit CONFIG [...] [--dry-run] [--wait]     write <run_dir>/slurm.sbatch for a launch.mode=slurm run and sbatch it
 plot RUN_DIR [RUN_DIR ...] [--out DIR]       PNGs of runs' metrics (reward, masked fraction, staleness, losses, ...)
 ledger RUN_DIR                               check that every trajectory was trained once, dropped, or is pending
+eval CONFIG [--checkpoint PATH|RUN_DIR]      held-out evaluation of a checkpoint on engines started for it: pass@1,
+                                             pass@k, avg@k, reward (a table; <run_dir>/eval/results.jsonl)
 learn CONFIG --engines URLS [...]            the learner loop (every rank; under torchrun / srun on clusters)
 critic CONFIG --bridge tcp://HOST:PORT [...] the value job of a critic on its own ranks (learner.
                                              value_on_separate_ranks; `run` starts it)
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -306,6 +309,44 @@ def _ledger(ns: argparse.Namespace, rest: list[str]) -> int:
     report = check_ledger(args.run_dir, args.spool_dir, args.stale_log)
     print(report.describe())
     return 0 if report.ok else 1
+
+
+@command("eval")
+def _eval(ns: argparse.Namespace, rest: list[str]) -> int:
+    """`python -m megatron_sao eval CONFIG [--checkpoint PATH|RUN_DIR] [--k v ...]`: held-out evaluation of a
+    checkpoint (default: the config's run dir's latest) on engines started for it; prints a table, writes
+    <run_dir>/eval/results.jsonl."""
+    p = argparse.ArgumentParser(prog="python -m megatron_sao eval", description="held-out evaluation of a checkpoint")
+    p.add_argument("config", help="the run's YAML/TOML config (its eval section, environment and engines)")
+    p.add_argument("--checkpoint", default=None, help="a run dir, a save dir or one checkpoint (default: the "
+                   "config's launch.run_dir; 'none': the initial weights, model.hf_path)")  # fmt: skip
+    args, overrides = p.parse_known_args(rest)
+    cfg = _read_config(args.config, overrides)
+    if cfg is None:
+        return 2
+    import json
+    import logging
+
+    from megatron_sao.engines.sglang_launcher import EngineStartError
+    from megatron_sao.run.evaluate import evaluate_checkpoint, table
+
+    logging.basicConfig(level=cfg.launch.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    checkpoint = args.checkpoint if args.checkpoint is not None else cfg.launch.run_dir
+    try:
+        result, what = evaluate_checkpoint(cfg, None if checkpoint == "none" else checkpoint)
+    except (ValueError, EngineStartError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(table(result, what), end="")
+    out = Path(cfg.launch.run_dir) / "eval" / "results.jsonl"
+    with open(out, "a") as f:
+        f.write(json.dumps({"checkpoint": what, "time": time.time(), **result.as_record()}) + "\n")
+    print(f"[eval] appended to {out}", flush=True)
+    if result.given_up:
+        print("error: the evaluation was given up (eval.timeout_s, or the engines kept changing version)",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    return 0
 
 
 @command("plot")

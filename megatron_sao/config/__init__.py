@@ -1,11 +1,12 @@
 """The typed config tree (one source of truth for every setting) and how it is loaded.
 
-Sections: model, parallel, algo, learner, rollout, bus, weight_sync, launch. Loaded from YAML or TOML with
+Sections: model, parallel, algo, learner, rollout, bus, weight_sync, eval, launch. Loaded from YAML or TOML with
 dotted overrides (`--algo.dis.eps_high 5.0`); every error names the field and the fix.
 """
 
 from megatron_sao.config.algo import AlgoConfig
 from megatron_sao.config.bus import BusConfig
+from megatron_sao.config.eval import EvalConfig
 from megatron_sao.config.launch import LaunchConfig
 from megatron_sao.config.learner import LearnerConfig, RoleOptimConfig
 from megatron_sao.config.loader import (
@@ -26,6 +27,7 @@ __all__ = [
     "AlgoConfig",
     "BusConfig",
     "ConfigError",
+    "EvalConfig",
     "LaunchConfig",
     "LearnerConfig",
     "ModelConfig",

@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from megatron_sao.config.algo import AlgoConfig
 from megatron_sao.config.base import Section
 from megatron_sao.config.bus import BusConfig
+from megatron_sao.config.eval import EvalConfig
 from megatron_sao.config.launch import LaunchConfig
 from megatron_sao.config.learner import LearnerConfig
 from megatron_sao.config.model import ModelConfig
@@ -27,6 +28,7 @@ class SAOConfig(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     bus: BusConfig = Field(default_factory=BusConfig)
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
 
     @property

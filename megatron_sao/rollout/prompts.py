@@ -40,6 +40,15 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+TRAINING_PROMPTS = 10_000
+"""Prompts a rollout worker makes with its environment (seed 0) when rollout.env.prompts names no file."""
+
+
+def training_prompts(env: Any, prompts_file: str | None) -> list[dict[str, Any]]:
+    """The prompts training draws from: rollout.env.prompts, else TRAINING_PROMPTS made by the environment."""
+    return read_jsonl(prompts_file) if prompts_file else env.make_prompts(TRAINING_PROMPTS)
+
+
 def write_jsonl(path: str | Path, records: list[dict[str, Any]]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:

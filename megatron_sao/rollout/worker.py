@@ -556,13 +556,13 @@ def worker_from_config(
     from megatron_sao.engines.client import RetryPolicy, SGLangClient
     from megatron_sao.rollout.agent_loop import AgentLoopConfig, ChatTemplateCodec
     from megatron_sao.rollout.envs import make_env
-    from megatron_sao.rollout.prompts import read_jsonl
+    from megatron_sao.rollout.prompts import training_prompts
 
     r = cfg.rollout
     if cfg.model.hf_path is None:
         raise ValueError("model.hf_path is not set: the rollout worker needs the model's tokenizer and chat template")
     env = make_env(r.env.name, r.env.options)
-    records = read_jsonl(r.env.prompts) if r.env.prompts else env.make_prompts(10_000)
+    records = training_prompts(env, r.env.prompts)
     index, count = shard
     if not 0 <= index < count:
         raise ValueError(f"prompt shard {index}/{count}: the index must be in 0..{count - 1}")

@@ -135,6 +135,7 @@ class EngineWeights:
         self.learner, self.sync, self.cfg, self.deferred = learner, sync, cfg, deferred  # sync: WeightSync or None
         self.version = 0  # engines start from the HF weights
         self.failed = False  # the last push failed: retried at the next step, whatever the interval
+        self.evals: Any = None  # rank 0's EvalSchedule (run/evaluate.py): a push waits for its evaluation in flight
 
     @property
     def enabled(self) -> bool:
@@ -178,12 +179,17 @@ class EngineWeights:
         return metrics
 
     def push(self, reason: str) -> dict[str, Any]:
-        """Collective: push the learner's weights; the same metrics on every rank, with sync/reason."""
+        """Collective: push the learner's weights; the same metrics on every rank, with sync/reason (rank 0: and
+        time/eval_wait when an evaluation of the weights the engines hold had to finish first)."""
+        waited = self.evals.hold() if self.evals is not None else 0.0
         result: dict[str, Any] = _share(self.sync.push(self.learner.version) or None) or {}
         self.failed = bool(result.get("sync/failed"))
         if not self.failed:
             self.version = self.learner.version
-        return {**result, "sync/reason": reason} if result else {}
+            if self.evals is not None:
+                self.evals.start(self.version)
+        out = {**result, "sync/reason": reason} if result else {}
+        return {**out, "time/eval_wait": waited} if waited else out
 
 
 def _progress(batch: Sequence[Trajectory], metrics: dict[str, Any], max_steps: int) -> str:
@@ -294,6 +300,13 @@ class _Run:
         self.counters = extra.get("counters") or {"steps": self.pretrain.steps + learner.version, "trajectories": 0,
                                                   "tokens": 0}  # fmt: skip
         self.engines = EngineWeights(learner, self.sync, cfg.weight_sync, deferred=cfg.algo.name == "grpo_async")
+        self.evals = None
+        if self.rank0 and cfg.eval.interval and engine_urls:
+            from megatron_sao.run.evaluate import EvalSchedule, evaluated_versions, make_evaluator
+
+            self.evals = EvalSchedule(cfg, make_evaluator(cfg, engine_urls), self.write_eval,
+                                      evaluated_versions(self.run_dir))  # fmt: skip
+            self.engines.evals = self.evals
         self.saved_at: tuple[int, int] | None = (learner.version, self.pretrain.steps) if self.resume else None
         self.step_count = 0
         self.stop = StopSignal(self.run_dir / STOP_FILE if self.rank0 else None)
@@ -364,6 +377,13 @@ class _Run:
             self.metrics_log.write(record)
             self.display.step(record, line)
 
+    def write_eval(self, record: dict[str, Any]) -> None:
+        """An evaluation's record (rank 0; run/evaluate.py EvalSchedule): at the step the learner is at when it is
+        done, with the one version it measured in eval/weight_version."""
+        assert self.metrics_log is not None
+        self.metrics_log.write({"step": self.counters["steps"], "time": time.time(),
+                                "weight_version": self.learner.version, **record})  # fmt: skip
+
     def log_push(self, pushed: dict[str, Any]) -> None:
         """A push between steps (resume, resync, final) gets a record of its own."""
         if self.rank0 and pushed:
@@ -418,6 +438,8 @@ def learn(
                   f"{run.resume}); raise learner.max_steps to train on", flush=True)  # fmt: skip
         elif run.rank0 and on_ready is not None:
             on_ready()
+        if run.evals is not None and learner.version < max_steps:
+            run.evals.start(learner.version)  # the engines hold it now (a resumed learner pushed it above)
         while learner.version < max_steps:
             t_wait = time.monotonic()
             batch = run.next_batch()
@@ -458,8 +480,14 @@ def learn(
             times["time/step"] = time.monotonic() - t_wait
             record = run.record(batch, metrics, times)
             run.log(batch, record, _progress(batch, record, max_steps), run.steps.first_values())
+            if run.evals is not None:
+                run.evals.poll()
         run.save(force=True)
         run.log_push({} if run.stopped else engines.finish())  # stopping: the engines may be going down too
+        if run.evals is not None and not run.stopped:  # the final version, once the engines hold it
+            if not engines.failed and engines.version == learner.version:
+                run.evals.start(learner.version, final=True)
+            run.evals.hold()
         if run.stopped and run.rank0:
             (run.run_dir / STOP_FILE).unlink(missing_ok=True)
             print(f"[learner] stopped by {signal.Signals(run.stopped).name} at version {learner.version}; "

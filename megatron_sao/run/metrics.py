@@ -47,6 +47,8 @@ WHEN = {
     "moe": "learner.moe_aux_loss_coeff > 0",
     "routes": "policy steps with rollout.return_routed_experts (on with learner.routing_replay)",
     "skipped": "steps with nothing trainable",
+    "eval": "evaluation records (eval.interval > 0): the first version, every eval.interval versions, the last",
+    "eval_wait": "a record whose push waited for an evaluation in flight",
 }
 
 SCHEMA: tuple[Metric, ...] = (
@@ -142,6 +144,19 @@ SCHEMA: tuple[Metric, ...] = (
     Metric("time/policy", "policy", "the policy update"),
     Metric("time/sync", "step", "weight pushes in the iteration"),
     Metric("time/checkpoint", "step", "saving a checkpoint in the iteration"),
+    Metric("time/eval_wait", "eval_wait", "the push waiting for the evaluation of the weights the engines held"),
+    Metric("eval/weight_version", "eval", "the one weight version every sample of the evaluation came from"),
+    Metric("eval/reward/mean", "eval", "mean reward of the held-out samples (eval.samples_per_prompt per prompt)"),
+    Metric("eval/success_rate", "eval", "share of the held-out samples solved (success, else reward >= "
+           "eval.success_reward)"),  # fmt: skip
+    Metric("eval/pass@*", "eval", "unbiased pass@k over the held-out prompts, for k = 1 and eval.samples_per_prompt"),
+    Metric("eval/avg@*", "eval", "mean share of solved samples per prompt, k = eval.samples_per_prompt"),
+    Metric("eval/prompts", "eval", "held-out prompts evaluated"),
+    Metric("eval/samples", "eval", "samples evaluated"),
+    Metric("eval/time", "eval", "seconds the evaluation took"),
+    Metric("eval/discarded", "eval", "samples that came back from another weight version and were run again"),
+    Metric("eval/restarts", "eval", "times the evaluation started over on the version the engines moved to"),
+    Metric("eval/given_up", "eval", "1 when it was given up (eval.timeout_s, eval.max_restarts, or an error)"),
     # a rollout worker's records (cumulative since the worker started)
     Metric("time", "worker", "unix time of the record", "rollout"),
     Metric("worker", "worker", "the worker's id (rollout-0, ...)", "rollout"),

@@ -1,6 +1,7 @@
 """`python -m megatron_sao plot RUN_DIR [RUN_DIR ...] [--out DIR] [--labels A,B]`: PNGs of runs from their
-metrics.jsonl -- reward, DIS masked fraction, staleness, losses, explained variance, throughput -- several runs
-overlaid, each labelled (its directory name unless --labels). The main job writes <run_dir>/reward.png at its end."""
+metrics.jsonl -- reward (held-out evaluations beside it, when the run had them), DIS masked fraction, staleness,
+losses, explained variance, throughput -- several runs overlaid, each labelled (its directory name unless --labels).
+The main job writes <run_dir>/reward.png at its end."""
 
 from __future__ import annotations
 
@@ -18,15 +19,25 @@ FIGURES: dict[str, tuple[str, tuple[str, ...]]] = {
     "explained_variance": ("critic explained variance", ("value/explained_variance",)),
     "throughput": ("throughput (generated tokens / s)", ("throughput/tokens_per_s",)),
 }
+EVAL_OVERLAYS: dict[str, tuple[str, ...]] = {"reward": ("eval/reward/mean", "eval/pass@1")}
+"""Evaluation records (eval/*) drawn as markers beside a figure's step curves, at the step each was written."""
 
 
-def read_steps(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The step records of a run (pushes between steps left out)."""
+def _records(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run directory (launch.run_dir)?")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in records if "step/trajectories" in r]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_steps(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The step records of a run (pushes between steps and evaluations left out)."""
+    return [r for r in _records(run_dir) if "step/trajectories" in r]
+
+
+def read_evals(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The evaluation records of a run (eval.interval > 0)."""
+    return [r for r in _records(run_dir) if "eval/weight_version" in r]
 
 
 def plot_runs(
@@ -43,6 +54,7 @@ def plot_runs(
     if len(labels) != len(run_dirs):
         raise ValueError(f"{len(labels)} labels for {len(run_dirs)} runs: give one label per run")
     runs = [(label, read_steps(d)) for label, d in zip(labels, run_dirs, strict=True)]
+    evals = [read_evals(d) for d in run_dirs]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -58,6 +70,12 @@ def plot_runs(
                     name = label if len(keys) == 1 else f"{label}: {key}"
                     ax.plot(xs, ys, label=name, linewidth=1.2)
                     drawn += 1
+        for (label, _), records in zip(runs, evals, strict=True):
+            for key in EVAL_OVERLAYS.get(stem, ()):
+                points = [(r["step"], r[key]) for r in records if key in r]
+                if points:
+                    xs, ys = zip(*points, strict=True)
+                    ax.plot(xs, ys, marker="o", linestyle="--", linewidth=0.8, label=f"{label}: held-out {key}")
         if drawn:
             ax.set_title(title)
             ax.set_xlabel("learner step")

@@ -24,7 +24,8 @@ from tests.run.test_arms import ARMS, REPO, _cmd, _env, assert_ledger_ok
 def run_dir(tiny_hf_dir: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("metrics") / "run"
     cmd = _cmd(tiny_hf_dir("qwen3_moe"), run_dir, "--learner.max_steps", "3", "--algo.value.pretrain_samples", "8",
-               "--learner.trajectories_per_step", "4", "--rollout.log_interval_s", "1")  # fmt: skip
+               "--learner.trajectories_per_step", "4", "--rollout.log_interval_s", "1", "--eval.interval", "2",
+               "--eval.num_prompts", "2", "--eval.samples_per_prompt", "2")  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=_env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"reward plot: {run_dir / 'reward.png'}" in done.stdout and "generated tokens/s" in done.stdout
@@ -43,7 +44,7 @@ def test_every_schema_key_is_written_and_nothing_else(run_dir: Path) -> None:
     unlisted = sorted(k for k in written if schema_entry(k) is None)
     assert not unlisted, f"written but not in run/metrics.py SCHEMA: {unlisted}"
     for m in SCHEMA:
-        if m.record == "learner" and m.when in ("step", "policy", "critic", "push", "pretrain"):  # a sao run's
+        if m.record == "learner" and m.when in ("step", "policy", "critic", "push", "pretrain", "eval"):  # a sao run's
             hit = [k for k in written if schema_entry(k) is m]
             assert hit, f"{m.key} ({m.when}) is in the schema but this run never wrote it"
     steps = [r for r in records if "step/trajectories" in r]

@@ -61,6 +61,12 @@ class Environment(ABC):
     def make_prompts(self, n: int, seed: int = 0) -> list[dict[str, Any]]:
         """n prompt records for a JSONL file (each with a unique "id")."""
 
+    def make_heldout_prompts(self, n: int, seed: int) -> list[dict[str, Any]]:
+        """n prompt records for evaluation (rollout/evaluate.py), none of which training draws: by default
+        make_prompts with another seed (the evaluator drops any the training prompts hold); an environment whose
+        prompts come from a small pool overrides it with a pool of its own."""
+        return self.make_prompts(n, seed)
+
     @abstractmethod
     def start(self, prompt: dict[str, Any]) -> Episode:
         """A fresh episode for one prompt record."""

@@ -27,6 +27,8 @@ MARKERS = {
     "classical": ("thee", "thou", "hath", "doth", "verily", "ere"),
 }
 TOPICS = ("the sea", "a cat", "the moon", "a rainy day", "breakfast", "an old castle", "the wind", "a library")
+HELDOUT_TOPICS = ("a river", "an owl", "the stars", "a snowy morning", "lunch", "a lighthouse", "the rain", "a garden")
+"""Topics no training prompt names: the held-out prompts of evaluation (make_heldout_prompts)."""
 
 
 def style_score(text: str, style: str) -> float:
@@ -97,6 +99,12 @@ class StylePreferenceEnv(Environment):
             {"id": f"style-{seed}-{i}", "prompt": f"Write one short sentence about {rng.choice(TOPICS)}."}
             for i in range(n)
         ]
+
+    def make_heldout_prompts(self, n: int, seed: int) -> list[dict[str, Any]]:
+        rng = random.Random(seed)
+        topics = [rng.choice(HELDOUT_TOPICS) for _ in range(n)]
+        return [{"id": f"style-heldout-{seed}-{i}", "prompt": f"Write one short sentence about {t}."}
+                for i, t in enumerate(topics)]  # fmt: skip
 
     def start(self, prompt: dict[str, Any]) -> StyleEpisode:
         messages = prompt.get("messages") or [{"role": "user", "content": prompt["prompt"]}]
