@@ -47,8 +47,9 @@ class EvalConfig(Section):
     success_reward: float = 1.0
     """A sample counts as solved when its environment reports success, else when its reward is at least this."""
 
-    timeout_s: float = Field(default=900.0, gt=0)
-    """An evaluation not done in this long is given up (eval/given_up) and the push it holds goes out."""
+    timeout_s: float = Field(default=300.0, gt=0)
+    """An evaluation not done in this long is given up (eval/given_up) and the push it holds goes out. With several
+    learner ranks the others wait for it inside the push, so it must stay under their 600 s collective timeout."""
 
     max_restarts: int = Field(default=2, ge=0)
     """An evaluation whose samples came back from another weight version (an engine restarted, or weights pushed

@@ -43,6 +43,10 @@ class SAOConfig(Section):
         if "stale_log_dir" not in self.bus.model_fields_set:  # the trajectory ledger reads <run_dir>/stale.jsonl
             self.bus.stale_log_dir = str(self.launch.run_dir)
         self.parallel.check_world_size(self.launch.learner_world_size)
+        if self.eval.interval and self.launch.learner_world_size > 1 and self.eval.timeout_s >= 540:
+            raise ValueError(f"eval.timeout_s={self.eval.timeout_s:g} with {self.launch.learner_world_size} learner "
+                             "ranks: the other ranks wait for rank 0's evaluation inside the next push, whose "
+                             "collective timeout is 600 s; set eval.timeout_s below 540")  # fmt: skip
         if self.launch.gpus_per_node is None:
             needs_gpus = self.rollout.engine == "sglang" or self.weight_sync.backend == "nccl"
             self.launch.gpus_per_node = 8 if needs_gpus else 0
