@@ -168,6 +168,7 @@ def _run(ns: argparse.Namespace, rest: list[str]) -> int:
     if loaded is None:
         return 2
     cfg, args, overrides = loaded
+    from megatron_sao.distributed.dirlock import DirLock, DirLocked
     from megatron_sao.engines.sglang_launcher import EngineStartError
     from megatron_sao.learner.errors import NonFiniteTraining
 
@@ -178,14 +179,16 @@ def _run(ns: argparse.Namespace, rest: list[str]) -> int:
             if args.dry_run:
                 print(dry_run(cfg, args.config, overrides))
                 return 0
-            return run_slurm(cfg, args.config, overrides)
+            with DirLock(cfg.launch.run_dir, "run"):
+                return run_slurm(cfg, args.config, overrides)
         if args.dry_run:
             print("error: --dry-run shows a launch.mode=slurm plan; this config is launch.mode=local", file=sys.stderr)
             return 2
         from megatron_sao.run.local import run_local
 
-        summary = run_local(cfg, args.config, overrides)
-    except (ValueError, EngineStartError) as e:  # a setting to fix (named in the message) or an engine that failed
+        with DirLock(cfg.launch.run_dir, "run"):  # before anything is written: one run per run dir
+            summary = run_local(cfg, args.config, overrides)
+    except (ValueError, EngineStartError, DirLocked) as e:  # a setting to fix (named) or an engine that failed
         print(f"error: {e}", file=sys.stderr)
         return 2
     except NonFiniteTraining as e:
@@ -255,6 +258,7 @@ def _learn(ns: argparse.Namespace, rest: list[str]) -> int:
     if loaded is None:
         return 2
     cfg, args, _ = loaded
+    from megatron_sao.distributed.dirlock import DirLocked
     from megatron_sao.learner.errors import NonFiniteTraining
     from megatron_sao.run.learn import learn
 
@@ -265,6 +269,9 @@ def _learn(ns: argparse.Namespace, rest: list[str]) -> int:
     except NonFiniteTraining as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except DirLocked as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if os.environ.get("RANK", "0") == "0":
         print(f"[learner] done: {summary}", flush=True)
     return 0  # also after a clean stop (SIGTERM / STOP): it checkpointed; the log says "stopped by"

@@ -69,17 +69,31 @@ def main(argv: list[str]) -> int:
         level=cfg.launch.log_level.upper(), format="%(asctime)s rollout %(name)s %(levelname)s %(message)s"
     )
     from megatron_sao.bus import TrajectorySender
-    from megatron_sao.rollout.worker import worker_from_config
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     urls = [u for u in args.engines.split(",") if u]
+    from megatron_sao.distributed.dirlock import DirLock, DirLocked
+
+    lock = DirLock(cfg.launch.run_dir, f"rollout-{args.worker_id}")
     try:
+        lock.acquire()  # one worker of this id per run dir (its cursor and metrics live there)
         sender = TrajectorySender(cfg.bus, args.worker_id)
-    except ValueError as e:  # its spool is held by a live worker of the same id
+    except (ValueError, DirLocked) as e:  # (ValueError: its spool is held by a live worker of the same id)
         print(f"error: {e}")
+        lock.release()
         return 2
+    try:
+        return _serve(cfg, args, sender, stop, urls, shard)
+    finally:
+        lock.release()
+
+
+def _serve(cfg: Any, args: argparse.Namespace, sender: Any, stop: threading.Event, urls: list[str],
+           shard: tuple[int, ...]) -> int:  # fmt: skip
+    from megatron_sao.rollout.worker import worker_from_config
+
     try:
         sink = StoppableSink(sender, stop)
         worker = worker_from_config(cfg, sink, urls, worker_id=args.worker_id, shard=(shard[0], shard[1]))
