@@ -63,15 +63,31 @@ def _config(ns: argparse.Namespace, rest: list[str]) -> int:
 
 @command("platform")
 def _platform(ns: argparse.Namespace, rest: list[str]) -> int:
+    argparse.ArgumentParser(prog="python -m megatron_sao platform", description="the platform layer's patches: "
+                            "which megatron-core function each works around, why, and whether they apply here"
+                            ).parse_args(rest)  # fmt: skip
     import torch
 
-    from megatron_sao.platform import CHECKED_MEGATRON_VERSIONS, describe_patches, megatron_version
+    from megatron_sao.platform import (
+        CHECKED_MEGATRON_VERSIONS,
+        describe_patches,
+        megatron_version,
+        transformer_engine_installed,
+    )
+    from megatron_sao.platform.registry import NO_TE
 
     cuda = torch.cuda.is_available()
     print(f"torch {torch.__version__}, CUDA {'available' if cuda else 'absent'}, megatron-core {megatron_version()}")
-    print(f"CPU platform layer: {'inactive (GPU run)' if cuda else 'active'}; checked on {CHECKED_MEGATRON_VERSIONS}")
+    if not cuda:
+        state = "active"
+    elif transformer_engine_installed():
+        state = "inactive (GPU with Transformer Engine)"
+    else:
+        state = "only the no-te patches (GPU without Transformer Engine)"
+    print(f"CPU platform layer: {state}; checked on {CHECKED_MEGATRON_VERSIONS}")
     for patch in describe_patches():
-        print(f"\n- {patch.name} (checked on {', '.join(patch.checked_on)})")
+        tag = " [no-te: also on a GPU without Transformer Engine]" if NO_TE in patch.tags else ""
+        print(f"\n- {patch.name} (checked on {', '.join(patch.checked_on)}){tag}")
         print(f"  works around: {patch.works_around}")
         print(f"  why: {patch.why}")
     return 0

@@ -47,7 +47,8 @@ def test_a_nan_or_inf_sampling_field_is_refused_for_that_request_only(engine_url
     ):
         status, out = _post(engine_url, body)
         assert status == 400, out
-        assert "finite" in out["error"]["message"] or "not a JSON number" in out["error"]["message"]
+        said = out["error"]["message"]
+        assert "finite" in said or "not a JSON number" in said or "must be a number" in said, said
     worker.join(timeout=120)
     status, out = long_one["result"]
     assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "length"  # untouched by the bad ones
@@ -97,3 +98,43 @@ def test_a_text_that_cannot_fit_is_refused_before_tokenizing(engine_url: str) ->
     body = json.dumps({"text": "word " * 1_000_000, "sampling_params": {"max_new_tokens": 1}}).encode()  # 5 MB
     status, out = _post(engine_url, body)
     assert status == 400 and "refused before tokenizing" in out["error"]["message"]  # (tokenizing it took ~8 s)
+
+
+def test_fields_of_the_wrong_type_get_a_400_naming_the_field(engine_url: str) -> None:
+    """What a client gets wrong by type is named, never a Python message (issue 31)."""
+    cases = [
+        ({"text": 123}, "text must be a string or a list of strings, got int"),
+        ({"input_ids": "1 2 3"}, "input_ids must be a non-empty list of token ids"),
+        ({"input_ids": [1, 2, True]}, "input_ids must be non-empty ints"),
+        ({"input_ids": [1, 2], "sampling_params": "fast"}, "sampling_params must be a JSON object"),
+        ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": True}}, "sampling_params.max_new_tokens=True"),
+        ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "5"}}, "sampling_params.max_new_tokens='5'"),
+        ({"input_ids": [1, 2], "sampling_params": {"top_k": 2.5}}, "sampling_params.top_k=2.5 must be an integer"),
+        ({"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}, "must be a number"),
+    ]
+    for body, said in cases:
+        status, out = _post(engine_url, json.dumps(body).encode())
+        assert status == 400 and said in out["error"]["message"], (body, status, out)
+
+
+def test_max_new_tokens_past_the_context_is_refused_as_sglang_refuses_it(engine_url: str) -> None:
+    ctx = SGLangClient(engine_url).model_info().get("context_length") or 0
+    status, out = _post(engine_url, _generate(max_new_tokens=10**6))
+    assert status == 400 and "Requested token count exceeds the model's maximum context length" in out["error"][
+        "message"], (ctx, out)  # fmt: skip
+    assert "4 tokens from the input messages and 1000000 tokens for the completion" in out["error"]["message"]
+
+
+def test_a_chunked_body_is_read(engine_url: str) -> None:
+    u = urlparse(engine_url)
+    body = _generate(2, temperature=0.0)
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(body[i : i + 7]), body[i : i + 7]) for i in range(0, len(body), 7))
+    with socket.create_connection((u.hostname, u.port), timeout=30) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n" + chunks + b"0\r\n\r\n")  # fmt: skip
+        raw = b""
+        while data := sock.recv(65536):
+            raw += data
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), raw[:300]
+    assert len(json.loads(payload)["output_ids"]) == 2

@@ -39,6 +39,21 @@ SUPPORTED = {
 """The sampling parameters the engine honours (fields.SAMPLING_PARAMS marks exactly these SERVED) and their types."""
 
 
+def _typed(key: str, value: Any, kind: type) -> Any:
+    """A served sampling parameter as its type; ValueError naming it when the JSON value is not of that type (a
+    boolean is no number, a string no integer, 2.5 no integer)."""
+    ok = {
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, int | float) and not isinstance(value, bool),
+        bool: isinstance(value, bool),
+        list: isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value),
+    }[kind]
+    if not ok:
+        want = {int: "an integer", float: "a number", bool: "true or false", list: "a list of token ids"}[kind]
+        raise ValueError(f"sampling_params.{key}={value!r} must be {want}")
+    return tuple(value) if kind is list else kind(value)
+
+
 def sampling_from_json(sp: dict[str, Any], vocab_size: int) -> SamplingParams:
     """Validate SGLang sampling_params into SamplingParams; ValueError names the offending key."""
     if not isinstance(sp, dict):
@@ -50,7 +65,7 @@ def sampling_from_json(sp: dict[str, Any], vocab_size: int) -> SamplingParams:
     kwargs: dict[str, Any] = {}
     for key, value in sp.items():
         if key in SUPPORTED and value is not None:
-            kwargs[key] = tuple(int(t) for t in value) if key == "stop_token_ids" else SUPPORTED[key](value)
+            kwargs[key] = _typed(key, value, SUPPORTED[key])
     p = SamplingParams(**kwargs)
     for key in ("temperature", "top_p", "min_p"):  # NaN passes every comparison below: refuse it here
         if not math.isfinite(getattr(p, key)):
@@ -124,19 +139,22 @@ class GenerateHandler:
             raise ValueError(f"routed_experts_start_len={start!r} must be an integer")
         reqs = []
         for ids, sp, rid in zip(batch, sps, rids):
-            self._check_ids(ids)
+            params = sampling_from_json(sp, self.vocab_size)
+            self._check_ids(ids, params.max_new_tokens)
             if body.get("return_routed_experts") and not 0 <= start <= len(ids):  # SGLang's scheduler checks
                 raise ValueError(f"routed_experts_start_len={start} must be in [0, {len(ids)}] (the input tokens)")
-            reqs.append(Request(str(rid), list(ids), sampling_from_json(sp, self.vocab_size), return_routes=routes))
+            reqs.append(Request(str(rid), list(ids), params, return_routes=routes))
         opts = {"logprob": bool(body.get("return_logprob")), "text": bool(body.get("return_text_in_logprobs")),
                 "routes_from": start}  # fmt: skip
         return reqs, opts, single
 
     def _input_batch(self, body: dict[str, Any]) -> list:
         if body.get("input_ids") is not None:
-            if not body["input_ids"]:
-                raise ValueError("input_ids cannot be empty.")
-            return body["input_ids"]
+            ids = body["input_ids"]
+            if not isinstance(ids, list) or not ids:
+                raise ValueError(f"input_ids must be a non-empty list of token ids (or of lists of them), got "
+                                 f"{type(ids).__name__ if ids else 'an empty list'}")  # fmt: skip
+            return ids
         if body.get("text") is None:
             raise ValueError("Either text or input_ids should be provided.")
         if self.tokenizer is None:
@@ -144,6 +162,8 @@ class GenerateHandler:
                 "this engine serves token-in/token-out (no tokenizer / --skip-tokenizer-init): send input_ids"
             )
         texts = body["text"]
+        if not isinstance(texts, str | list):
+            raise ValueError(f"text must be a string or a list of strings, got {type(texts).__name__}")
         limit = self.scheduler.context_len * self.max_token_bytes
         for t in [texts] if isinstance(texts, str) else texts:
             if not isinstance(t, str):
@@ -154,12 +174,19 @@ class GenerateHandler:
         encode = lambda t: self.tokenizer(t, add_special_tokens=False)["input_ids"]  # noqa: E731
         return encode(texts) if isinstance(texts, str) else [encode(t) for t in texts]
 
-    def _check_ids(self, ids: list[int]) -> None:
-        if not ids or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+    def _check_ids(self, ids: Any, max_new_tokens: int) -> None:
+        if not isinstance(ids, list) or not ids or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids
+        ):
             raise ValueError(f"input_ids must be non-empty ints in [0, {self.vocab_size})")
         ctx = self.scheduler.context_len
         if len(ids) >= ctx:
             raise ValueError(f"The input ({len(ids)} tokens) is longer than the model's context length ({ctx} tokens).")
+        if len(ids) + max_new_tokens > ctx:  # SGLang's check (tokenizer_manager, without --allow-auto-truncate)
+            raise ValueError(f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You "
+                             f"requested a total of {len(ids) + max_new_tokens} tokens: {len(ids)} tokens from the "
+                             f"input messages and {max_new_tokens} tokens for the completion. Please reduce the "
+                             "number of tokens in the input messages or the completion to fit within the limit.")
 
     def _response(self, r: Request, opts: dict[str, Any], latency: float) -> dict[str, Any]:
         n = len(r.output_ids)

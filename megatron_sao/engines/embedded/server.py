@@ -298,7 +298,33 @@ class _Handler(BaseHTTPRequestHandler):
     timeout = READ_TIMEOUT_S  # socket timeout of every read and write of the connection
     state: EngineState  # set on the subclass made by make_server
 
+    def _read_chunked(self) -> bytes | None:
+        """A `Transfer-Encoding: chunked` body (HTTP/1.1 clients that stream their request); None when it is
+        malformed or over MAX_BODY_BYTES (answered here)."""
+        parts, total = [], 0
+        while True:
+            line = self.rfile.readline(1024)
+            try:
+                size = int(line.split(b";", 1)[0].strip(), 16)
+            except ValueError:
+                self.close_connection = True
+                self._reply(400, {"error": {"message": f"malformed chunked request body (chunk size {line[:40]!r})"}})
+                return None
+            total += size
+            if total > MAX_BODY_BYTES:
+                self.close_connection = True
+                self._reply(413, {"error": {"message": f"chunked request body exceeds the engine's limit of "
+                                                       f"{MAX_BODY_BYTES} bytes"}})  # fmt: skip
+                return None
+            if size == 0:
+                while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):  # trailers
+                    pass
+                return b"".join(parts)
+            parts.append(self.rfile.read(size))
+            self.rfile.readline(8)  # the CRLF after each chunk
+
     def _serve(self, method: str) -> None:
+        chunked = "chunked" in (self.headers.get("Transfer-Encoding") or "").lower()
         try:
             length = int(self.headers.get("Content-Length") or 0)
             if length < 0:
@@ -312,7 +338,13 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(413, {"error": {"message": f"request body of {length} bytes exceeds the engine's limit of "
                                                    f"{MAX_BODY_BYTES} bytes"}})  # fmt: skip
             return
-        raw = self.rfile.read(length) if length else b""
+        if chunked:
+            raw = self._read_chunked()
+            if raw is None:
+                return
+            length = len(raw)
+        else:
+            raw = self.rfile.read(length) if length else b""
         if len(raw) < length:
             return  # the client went away mid-body: nothing to answer
         try:
