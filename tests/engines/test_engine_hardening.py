@@ -138,3 +138,22 @@ def test_a_chunked_body_is_read(engine_url: str) -> None:
     head, _, payload = raw.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200"), raw[:300]
     assert len(json.loads(payload)["output_ids"]) == 2
+
+
+def test_a_config_json_that_does_not_describe_the_weights_is_named(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """config.json's expert count above the checkpoint's (transformers' own report named neither file nor field)."""
+    import shutil
+
+    import pytest
+
+    from megatron_sao.engines.embedded.model_runner import load_engine_model
+
+    bad = tmp_path / "model"
+    shutil.copytree(tiny_dirs["qwen3_moe"], bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
+    cfg[key] = int(cfg[key]) * 2
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"config.json does not describe the weights in .*config.json gives \d+ "
+                       r"experts, the checkpoint holds \d+"):  # fmt: skip
+        load_engine_model(bad)

@@ -114,18 +114,22 @@ def main(argv: list[str]) -> int:
             serve_follower(store, tp_rank, args.model, dtype=args.dtype, max_running=args.max_running_requests,
                            context_length=args.context_length, sglang_version=sglang_version)  # fmt: skip
             return 0
-    state = build_state(
-        args.model,
-        dtype=args.dtype,
-        max_running=args.max_running_requests,
-        context_length=args.context_length,
-        skip_tokenizer_init=args.skip_tokenizer_init,
-        weight_version=args.weight_version,
-        sglang_version=sglang_version,
-        session_timeout_s=args.weight_session_timeout,
-        tp_store=store,
-        tp_layout=layout,
-        enable_return_routed_experts=args.enable_return_routed_experts,
-    )
+    try:
+        state = build_state(
+            args.model,
+            dtype=args.dtype,
+            max_running=args.max_running_requests,
+            context_length=args.context_length,
+            skip_tokenizer_init=args.skip_tokenizer_init,
+            weight_version=args.weight_version,
+            sglang_version=sglang_version,
+            session_timeout_s=args.weight_session_timeout,
+            tp_store=store,
+            tp_layout=layout,
+            enable_return_routed_experts=args.enable_return_routed_experts,
+        )
+    except ValueError as e:  # a model the engine cannot serve as given: named, no traceback
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     serve(state, args.host, args.port)
     return 0

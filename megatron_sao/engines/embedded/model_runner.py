@@ -127,7 +127,15 @@ def load_engine_model(
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, distributed_config=tp)
         served = None
     elif fmt is None:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        except RuntimeError as e:  # transformers' size-mismatch report names neither config.json nor a field
+            if "mismatched_sizes" not in str(e) and "size mismatch" not in str(e):
+                raise
+            with torch.device("meta"):
+                described = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+            check_weights_fit_config(path, described)
+            raise
         served = None
     else:  # transformers' FP8 loader needs a GPU: build the model and load the checkpoint through the mapping
         config = AutoConfig.from_pretrained(path)
@@ -138,7 +146,46 @@ def load_engine_model(
         served = Fp8Weights.load(model, path, fmt)
     model.eval()
     model.requires_grad_(False)
+    if tp_size == 1 and fmt is None:
+        check_weights_fit_config(path, model)
     return model, served
+
+
+def check_weights_fit_config(path: Path, model: torch.nn.Module) -> None:
+    """ValueError naming config.json when the checkpoint's tensors are not the model config.json describes: a shape
+    that differs, or a fused expert tensor some of whose experts no file holds (config.json's num_experts above the
+    checkpoint's). transformers loads such a pair without a word and leaves the rest at its random init."""
+    from safetensors import safe_open
+
+    from megatron_sao.models.mapping import resolve_in_memory
+
+    tensors = dict(model.state_dict())
+    problems: list[str] = []
+    experts: dict[str, set[int]] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 - safe_open is no dict
+                shape = tuple(st.get_slice(name).get_shape())
+                try:
+                    target = resolve_in_memory(name, tensors)
+                except KeyError:
+                    problems.append(f"{name} {list(shape)} is no weight of the model config.json describes")
+                    continue
+                held = tuple(target.view(tensors).shape)
+                if held != shape:
+                    problems.append(f"{name}: {list(shape)} on disk, {list(held)} by config.json")
+                if target.expert is not None:
+                    experts.setdefault(target.key, set()).add(target.expert)
+    for key, seen in experts.items():
+        if len(seen) != tensors[key].shape[0]:
+            problems.append(f"{key}: config.json gives {tensors[key].shape[0]} experts, the checkpoint holds "
+                            f"{len(seen)}")  # fmt: skip
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        listed = "; ".join(problems[:3])
+        raise ValueError(f"{path}/config.json does not describe the weights in {path}: {listed}{more}. "
+                         "Fix config.json (num_experts, hidden and intermediate sizes, layers) to match the "
+                         "checkpoint, or point at the checkpoint it belongs to")  # fmt: skip
 
 
 class Fp8Weights:
