@@ -7,6 +7,7 @@ Called by receiver_io.py (server side), sender.py (client side) and tools/bus_ke
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import zmq
@@ -14,6 +15,8 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from megatron_sao.config.bus import BusConfig
+
+log = logging.getLogger(__name__)
 
 _KEYGEN_HINT = "generate keys with `python tools/bus_keygen.py DIR --server NAME --client NAME ...`"
 
@@ -25,6 +28,35 @@ def generate_keypair(directory: str | Path, name: str) -> tuple[Path, Path]:
     public, secret = zmq.auth.create_certificates(directory, name)
     Path(secret).chmod(0o600)
     return Path(public), Path(secret)
+
+
+def ensure_run_keys(cfg: BusConfig) -> None:
+    """bus.curve with the run's own keys (cfg.curve_keys_dir): make whichever is missing -- the server's keypair and
+    one client keypair whose public key is the one authorized -- under an flock, so the learner and the workers
+    starting together (on one machine or over a shared run dir) make them once. Owner-only permissions."""
+    if cfg.curve_keys_dir is None:
+        return
+    import fcntl
+    import os
+    import shutil
+
+    keys = Path(cfg.curve_keys_dir)
+    keys.mkdir(parents=True, exist_ok=True)
+    keys.chmod(0o700)
+    fd = os.open(keys / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if not (keys / "server.key_secret").is_file():
+            generate_keypair(keys, "server")
+        if not (keys / "client.key_secret").is_file():
+            generate_keypair(keys, "client")
+        clients = keys / "clients"
+        if not (clients / "client.key").is_file():
+            clients.mkdir(mode=0o700, exist_ok=True)
+            shutil.copyfile(keys / "client.key", clients / "client.key")
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 def _load(path: str, what: str, need_secret: bool) -> tuple[bytes, bytes | None]:
@@ -40,9 +72,13 @@ def _load(path: str, what: str, need_secret: bool) -> tuple[bytes, bytes | None]
 
 
 def start_server_auth(ctx: zmq.Context, cfg: BusConfig) -> ThreadAuthenticator | None:
-    """Start the ZAP handler for `ctx` when CURVE is configured on the receiver side (else None)."""
+    """Start the ZAP handler for `ctx` when CURVE is configured on the receiver side (else None, with a warning)."""
     if cfg.curve_server_key is None:
+        if not cfg.curve:
+            log.warning("bus.curve=false: the bus at %s takes trajectories from any process that reaches it, and "
+                        "the learner trains on them", cfg.bind)  # fmt: skip
         return None
+    ensure_run_keys(cfg)
     keys_dir = Path(cfg.curve_client_keys_dir or "")
     if not keys_dir.is_dir() or not any(keys_dir.glob("*.key")):
         raise ValueError(f"bus.curve_client_keys_dir {keys_dir} holds no client public keys (*.key); {_KEYGEN_HINT}")
@@ -71,6 +107,7 @@ def load_client_keys(cfg: BusConfig) -> ClientKeys | None:
     """A producer's CURVE keys from its key files (None when CURVE is off); raises ValueError with the fix."""
     if cfg.curve_server_public_key is None or cfg.curve_client_key is None:
         return None
+    ensure_run_keys(cfg)
     server_public, _ = _load(cfg.curve_server_public_key, "bus.curve_server_public_key", need_secret=False)
     public, secret = _load(cfg.curve_client_key, "bus.curve_client_key", need_secret=True)
     assert secret is not None

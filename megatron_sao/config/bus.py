@@ -5,6 +5,7 @@ Read by megatron_sao.bus (sender, receiver, auth); the protocol these knobs stee
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -92,6 +93,16 @@ class BusConfig(Section):
     stale_recent_ids: int = Field(default=1024, ge=0)
     """How many recent over-stale trajectory ids the receiver keeps in memory (receiver.stale_ids())."""
 
+    curve: bool = True
+    """Authenticate the bus with CurveZMQ (encrypted; only producers holding an authorized key get in). With no
+    curve_* key file given, a run makes its own keys in curve_keys_dir (default <launch.run_dir>/bus_keys, owner-only)
+    when its first role starts, and every role reads them there (a shared run dir on a cluster). false: any process
+    that reaches bus.bind can send trajectories that will be trained (a warning says so)."""
+
+    curve_keys_dir: str | None = None
+    """Where the run's own CURVE keys are made and read (set to <launch.run_dir>/bus_keys when bus.curve is on and no
+    curve_* key file is given); None: the key files below are used as given."""
+
     curve_server_key: str | None = None
     """CurveZMQ: the server's secret key file; set with curve_client_keys_dir to require authentication."""
 
@@ -143,4 +154,18 @@ class BusConfig(Section):
                 "bus.curve_server_public_key and bus.curve_client_key go together (producer side of CURVE); "
                 "set both or neither"
             )
+        if not self.curve and (self.curve_enabled or self.curve_keys_dir is not None):
+            raise ValueError("bus.curve=false but CURVE key files are given (bus.curve_*): set bus.curve=true to use "
+                             "them, or drop them for an unauthenticated bus")  # fmt: skip
         return self
+
+    def with_run_keys(self, run_dir: str) -> None:
+        """bus.curve with no key file given: the run's own keys under curve_keys_dir (default <run_dir>/bus_keys);
+        bus/auth.py ensure_run_keys makes them."""
+        if not self.curve or self.curve_enabled:
+            return
+        keys = Path(self.curve_keys_dir or Path(run_dir) / "bus_keys")
+        filled = {"curve_keys_dir": str(keys), "curve_server_key": str(keys / "server.key_secret"),
+                  "curve_client_keys_dir": str(keys / "clients"), "curve_server_public_key": str(keys / "server.key"),
+                  "curve_client_key": str(keys / "client.key_secret")}  # fmt: skip
+        self.__dict__.update(filled)  # together: the pairwise checks hold for the whole set, not each assignment

@@ -42,6 +42,7 @@ class SAOConfig(Section):
             self.bus.spool_dir = str(Path(self.launch.run_dir) / "spool")
         if "stale_log_dir" not in self.bus.model_fields_set:  # the trajectory ledger reads <run_dir>/stale.jsonl
             self.bus.stale_log_dir = str(self.launch.run_dir)
+        self.bus.with_run_keys(self.launch.run_dir)
         self.parallel.check_world_size(self.launch.learner_world_size)
         if self.eval.interval and self.launch.learner_world_size > 1 and self.eval.timeout_s >= 540:
             raise ValueError(f"eval.timeout_s={self.eval.timeout_s:g} with {self.launch.learner_world_size} learner "

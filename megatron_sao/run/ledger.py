@@ -171,17 +171,24 @@ def _read_worker_side(worker_lines: list[dict[str, Any]], report: LedgerReport) 
     return side
 
 
-def _check_training(learner_lines: list[dict[str, Any]], side: _WorkerSide, workers: set[str], counts: Counter[str],
-                    report: LedgerReport) -> None:  # fmt: skip
-    """Nothing trained twice; nothing trained that a worker with a ledger never sent."""
+def _check_training(learner_lines: list[dict[str, Any]], side: _WorkerSide, workers: set[str], started: set[str],
+                    counts: Counter[str], report: LedgerReport) -> None:  # fmt: skip
+    """Nothing trained twice; nothing trained that a worker with a ledger never sent; nothing trained from a producer
+    that never registered a start (no ledger/<worker>.jsonl: not one of the run's workers)."""
     for tid, n in counts.items():
         if n > 1:
             report.violations.append(f"trajectory {tid} trained {n} times")
+    strangers: set[str] = set()
     for line in learner_lines:
         tid = line.get("id")
         known = tid in side.produced or tid in side.sending
-        if tid is not None and not known and line.get("worker") in workers:
+        worker = line.get("worker")
+        if tid is not None and not known and worker in workers:
             report.violations.append(f"trajectory {tid} was trained but its worker never sent it")
+        elif tid is not None and worker is not None and worker not in started and worker not in strangers:
+            strangers.add(worker)
+            report.violations.append(f"trajectory {tid} was trained from producer {worker!r}, which never registered "
+                                     "a start in ledger/<worker>.jsonl: not one of this run's rollout workers")
 
 
 def _check_fates(run: Path, side: _WorkerSide, fate: set[str], workers: set[str], report: LedgerReport) -> None:
@@ -230,6 +237,7 @@ def check_ledger(
     report.produced, report.consumed = len(side.produced), len(consumed)
     report.stale_dropped, report.pending, report.prompts_done = len(stale), len(pending | held), len(side.done_prompts)
     workers = {line["worker"] for line in worker_lines}
-    _check_training(learner_lines, side, workers, counts, report)
+    started = {line["worker"] for line in worker_lines if line.get("event") == "start"}
+    _check_training(learner_lines, side, workers, started, counts, report)
     _check_fates(run, side, set(counts) | stale | pending | held | side.refused, workers, report)
     return report
