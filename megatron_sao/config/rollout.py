@@ -205,7 +205,7 @@ class RolloutConfig(Section):
                 "rollout.model_path to a block-FP8 checkpoint of the model (its -FP8 release, or `python -m "
                 "megatron_sao.models.fp8 SRC DST`): the learner then quantizes every push into its format"
             )
-        if self.router_url is not None and not self.router_url.startswith(("http://", "https://")):
-            raise ValueError(f"rollout.router_url={self.router_url!r} must be an http(s)://host:port URL of the "
+        if self.router_url is not None and not self.router_url.startswith("http://"):
+            raise ValueError(f"rollout.router_url={self.router_url!r} must be an http://host:port URL of the "
                              "gateway (sglang-router's --host/--port), or unset")  # fmt: skip
         return self

@@ -369,6 +369,8 @@ class EngineRouter:
     it caught up -- the learner pushes to an engine as soon as it joins. When every engine lags, all are used."""
 
     VERSION_PROBE_S = 2.0
+    GATEWAY_RETRY_S = 10.0
+    """After the gateway failed a request, requests go to the engines directly for this long, then it is tried."""
 
     def __init__(self, clients: list[SGLangClient], gateway: SGLangClient | None = None) -> None:
         """`gateway` (rollout.router_url): generations go to it, and it picks the engine (it does not know weight
@@ -378,6 +380,7 @@ class EngineRouter:
         self.clients = clients
         self.gateway = gateway
         self._gateway = {"requests": 0, "failures": 0, "tokens": 0, "outstanding": 0, "healthy": True}
+        self._gateway_retry_at = 0.0  # after a failure the engines are picked directly until then
         self._lock = threading.Lock()
         self._outstanding = {c.url: 0 for c in clients}
         self._healthy = {c.url: True for c in clients}
@@ -463,7 +466,7 @@ class EngineRouter:
         """Generate on the least-loaded healthy engine that is not behind on weights, failing over; returns (result,
         engine url). With a gateway: on the gateway (result, gateway url), falling back to the above when it is
         unreachable."""
-        if self.gateway is not None:
+        if self.gateway is not None and time.monotonic() >= self._gateway_retry_at:
             with self._lock:
                 self._gateway["requests"] += 1
                 self._gateway["outstanding"] += 1
@@ -474,6 +477,7 @@ class EngineRouter:
                 log.warning("gateway %s failed (%s); picking an engine directly for this request", self.gateway.url, e)
                 with self._lock:
                     self._gateway.update(failures=self._gateway["failures"] + 1, healthy=False)
+                    self._gateway_retry_at = time.monotonic() + self.GATEWAY_RETRY_S
             else:
                 with self._lock:
                     self._gateway.update(tokens=self._gateway["tokens"] + len(result.output_ids), healthy=True)

@@ -57,9 +57,14 @@ _applied_no_te: list[str] = []
 
 
 def transformer_engine_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("transformer_engine") is not None
+    """Transformer Engine that megatron-core can use (the models' builder decides the same way): installed is not
+    enough, a build that does not load against this torch leaves megatron on its local fallbacks."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+        from megatron.core.models.gpt import gpt_layer_specs
+    except Exception:  # ImportError, or a TE build that fails to load (OSError, RuntimeError)
+        return False
+    return bool(getattr(gpt_layer_specs, "HAVE_TE", False))
 
 
 def megatron_version() -> str:

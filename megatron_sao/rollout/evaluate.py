@@ -77,6 +77,7 @@ class Evaluation:
     rewards: dict[str, list[float]] = field(default_factory=dict)  # prompt id -> rewards of its samples
     solved: dict[str, list[bool]] = field(default_factory=dict)
     discarded: int = 0  # samples that came back from another version and were run again
+    errors: int = 0  # samples that failed (the evaluation is given up at the first)
     restarts: int = 0
     given_up: bool = False
     seconds: float = 0.0
@@ -84,9 +85,9 @@ class Evaluation:
     def as_record(self) -> dict[str, float]:
         out = {"eval/weight_version": float(self.version), "eval/time": self.seconds,
                "eval/discarded": float(self.discarded), "eval/restarts": float(self.restarts),
-               "eval/given_up": float(self.given_up)}  # fmt: skip
+               "eval/given_up": float(self.given_up), "eval/errors": float(self.errors)}  # fmt: skip
         full = [p for p, s in self.solved.items() if len(s) >= self.k]
-        if not full:
+        if not full or self.given_up:  # a partial evaluation measures nothing to draw beside the others
             return out
         rewards = [r for p in full for r in self.rewards[p]]
         out["eval/reward/mean"] = sum(rewards) / len(rewards)
@@ -100,6 +101,10 @@ class Evaluation:
         return out
 
 
+class _OutOfTime(RuntimeError):
+    """An evaluation turn not sent: the evaluation was cancelled or its time is up."""
+
+
 class Evaluator:
     """Runs evaluations of the engines behind `router` on the held-out prompts; one at a time."""
 
@@ -109,11 +114,25 @@ class Evaluator:
         self.prompts = heldout_prompts(cfg, env)
         sampling = {"temperature": ev.sampling.temperature, "top_p": ev.sampling.top_p, "top_k": ev.sampling.top_k,
                     "max_new_tokens": ev.sampling.max_new_tokens or r.sampling.max_new_tokens}  # fmt: skip
-        self.loop = AgentLoop(env, codec, router.generate,
+        self.loop = AgentLoop(env, codec, self._generate,
                               AgentLoopConfig(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens,
                                               sampling=sampling))  # fmt: skip
         self.concurrency = max(1, int(ev.budget * r.concurrency))
         self.k = ev.samples_per_prompt
+        self.cancel = threading.Event()  # set by cancel(): in-flight turns end at once, none starts
+        self._deadline = math.inf
+
+    def cancel_now(self) -> None:
+        """Give up the evaluation in flight (its record says given_up): a stop, or a push that cannot wait longer."""
+        self.cancel.set()
+
+    def _generate(self, input_ids: list[int], sampling: dict[str, Any], **kwargs: Any) -> Any:
+        """router.generate with what is left of the evaluation's time as the request's timeout (the engine aborts
+        the request when it passes), and nothing sent once the evaluation is cancelled or out of time."""
+        left = self._deadline - time.monotonic()
+        if self.cancel.is_set() or left <= 0:
+            raise _OutOfTime("evaluation cancelled or out of time")
+        return self.router.generate(input_ids, sampling, timeout_s=max(left, 1.0), **kwargs)
 
     def _sample(self, prompt: dict[str, Any], index: int) -> tuple[float, bool, set[int]]:
         traj = self.loop.run(prompt, worker_id="eval", sample_index=index)
@@ -128,6 +147,8 @@ class Evaluator:
         `progress(done, total)` after each sample."""
         t0 = time.monotonic()
         deadline = t0 + (deadline_s if deadline_s is not None else self.cfg.eval.timeout_s)
+        self._deadline = deadline
+        self.cancel.clear()
         result = Evaluation(version, self.k)
         while True:
             held = self._attempt(result, deadline, progress)
@@ -152,9 +173,20 @@ class Evaluator:
 
         def one(prompt: dict[str, Any], index: int) -> None:
             for attempt in range(2):  # a stray sample is run once more before the evaluation is said to have moved
-                if moved or time.monotonic() > deadline:
+                if moved or self.cancel.is_set() or time.monotonic() > deadline:
                     return
-                reward, solved, versions = self._sample(prompt, index)
+                try:
+                    reward, solved, versions = self._sample(prompt, index)
+                except _OutOfTime:
+                    return
+                except Exception as e:  # one bad sample (engine error, a prompt too long) fails the evaluation now
+                    if self.cancel.is_set() or time.monotonic() > deadline:  # its request ran out of time
+                        return
+                    log.error("evaluation sample of prompt %s failed: %r", prompt.get("id"), e)
+                    with lock:
+                        result.errors += 1
+                    self.cancel.set()
+                    return
                 if versions <= {result.version}:
                     with lock:
                         result.rewards.setdefault(str(prompt["id"]), []).append(reward)
@@ -172,10 +204,11 @@ class Evaluator:
         with ThreadPoolExecutor(self.concurrency, thread_name_prefix="eval") as pool:
             for f in [pool.submit(one, p, i) for p, i in jobs]:
                 f.result()
-        if moved:
+        if moved and not self.cancel.is_set():
             return moved[0]
         if done[0] < len(jobs):
             result.given_up = True
-            log.warning("evaluation of version %d given up after eval.timeout_s=%.0f s (%d of %d samples)",
-                        result.version, self.cfg.eval.timeout_s, done[0], len(jobs))  # fmt: skip
+            why = "a sample failed" if result.errors else "cancelled" if self.cancel.is_set() else "eval.timeout_s"
+            log.warning("evaluation of version %d given up (%s) after %d of %d samples", result.version, why,
+                        done[0], len(jobs))  # fmt: skip
         return None

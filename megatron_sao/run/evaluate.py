@@ -40,8 +40,9 @@ def make_evaluator(cfg: SAOConfig, engine_urls: list[str]) -> Evaluator:
     return Evaluator(cfg, make_env(r.env.name, r.env.options), codec, EngineRouter(clients))
 
 
-def evaluated_versions(run_dir: Path) -> set[int]:
-    """Versions a run's metrics.jsonl already holds an evaluation of (a resumed run does not measure them again)."""
+def evaluated_versions(run_dir: Path, up_to: int) -> set[int]:
+    """Versions up to `up_to` (the version a run resumes at) its metrics.jsonl already holds a finished evaluation of:
+    a resumed run does not measure them again (later ones belonged to steps the resume discards)."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return set()
@@ -51,22 +52,27 @@ def evaluated_versions(run_dir: Path) -> set[int]:
             record = json.loads(line)
         except json.JSONDecodeError:  # a torn last line of a run that died mid-write
             continue
-        if "eval/weight_version" in record and not record.get("eval/given_up"):
-            out.add(int(record["eval/weight_version"]))
+        version = record.get("eval/weight_version")
+        if version is not None and not record.get("eval/given_up") and int(version) <= up_to:
+            out.add(int(version))
     return out
 
 
 class EvalSchedule:
     """When to evaluate during training and the evaluation in flight (rank 0 of the learner)."""
 
+    GRACE_S = 30.0
+    """How long past eval.timeout_s a push waits for a cancelled evaluation's last requests before going out."""
+
     def __init__(self, cfg: SAOConfig, evaluator: Evaluator, write: Callable[[dict[str, Any]], None],
-                 done: set[int] | None = None) -> None:  # fmt: skip
-        self.interval = cfg.eval.interval
-        self.evaluator, self.write = evaluator, write
+                 done: set[int] | None = None, should_stop: Callable[[], bool] = lambda: False) -> None:  # fmt: skip
+        self.interval, self.timeout_s = cfg.eval.interval, cfg.eval.timeout_s
+        self.evaluator, self.write, self.should_stop = evaluator, write, should_stop
         self.done = set(done or ())
         self._thread: threading.Thread | None = None
-        self._result: Evaluation | None = None
+        self._results: dict[int, Evaluation] = {}  # by version: the thread's outcome
         self._version = -1
+        self._started = 0.0
 
     def due(self, version: int, final: bool = False) -> bool:
         return version not in self.done and version != self._version and (final or version % self.interval == 0)
@@ -76,24 +82,32 @@ class EvalSchedule:
         if not self.due(version, final):
             return
         self.hold()
-        self._version = version
+        self._version, self._started = version, time.monotonic()
         self._thread = threading.Thread(target=self._run, args=(version,), name=f"eval-v{version}", daemon=True)
         self._thread.start()
 
     def _run(self, version: int) -> None:
         try:
-            self._result = self.evaluator.run(version)
+            result = self.evaluator.run(version)
         except Exception as e:  # an evaluation must never take training down with it
             log.error("evaluation of version %d failed: %r", version, e)
-            self._result = Evaluation(version, self.evaluator.k, given_up=True)
+            result = Evaluation(version, self.evaluator.k, given_up=True, errors=1)
+        self._results[version] = result
 
     def hold(self) -> float:
         """Wait for the evaluation in flight (before a push: it measures the weights the engines hold now) and write
-        its record; the seconds waited."""
+        its record; the seconds waited. A stop request, or eval.timeout_s (+ GRACE_S) passing, cancels it: the push
+        never waits longer than that (other learner ranks wait for this one inside the push)."""
         if self._thread is None:
             return 0.0
         t0 = time.monotonic()
-        self._thread.join()
+        limit = self._started + self.timeout_s
+        while self._thread.is_alive():
+            if self.should_stop() or time.monotonic() > limit:
+                self.evaluator.cancel_now()
+                if time.monotonic() > limit + self.GRACE_S:
+                    break  # its last requests end on their own timeouts; the record says given up
+            self._thread.join(0.5)
         self._thread = None
         self._finish()
         return time.monotonic() - t0
@@ -104,9 +118,8 @@ class EvalSchedule:
             self.hold()
 
     def _finish(self) -> None:
-        result, self._result = self._result, None
-        if result is None:
-            return
+        version, self._version = self._version, -1
+        result = self._results.pop(version, None) or Evaluation(version, self.evaluator.k, given_up=True)
         record = result.as_record()
         if not result.given_up:
             self.done.add(result.version)
@@ -116,10 +129,6 @@ class EvalSchedule:
             log.info("eval of version %d: reward %.3f, pass@1 %.3f, pass@%d %.3f (%d prompts, %.1f s)",
                      result.version, record["eval/reward/mean"], record["eval/pass@1"], k, record[f"eval/pass@{k}"],
                      int(record["eval/prompts"]), result.seconds)  # fmt: skip
-        self._version = -1
-
-
-# ---------------------------------------------------------------------------------------------------- offline
 
 
 def checkpoint_to_evaluate(path: str | Path) -> Path:
@@ -165,14 +174,19 @@ def evaluate_checkpoint(cfg: SAOConfig, checkpoint: str | None) -> tuple[Evaluat
     if checkpoint is not None:
         ckpt = checkpoint_to_evaluate(checkpoint)
         version, what = checkpoint_version(ckpt), str(ckpt)
-        hf = Path(cfg.launch.run_dir) / "eval" / ckpt.name / "hf"
+        stamp = int((ckpt / "metadata.json").stat().st_mtime) if (ckpt / "metadata.json").is_file() else 0
+        hf = Path(cfg.launch.run_dir) / "eval" / f"{ckpt.name}-{stamp}" / "hf"  # a rewritten checkpoint: a new one
         if not (hf / "config.json").is_file():
             print(f"[eval] converting {ckpt} to HF in {hf}", flush=True)
             convert_megatron_to_hf(ckpt, hf, cfg.model.hf_path, force=True, progress=False)
         served = str(hf)
     logs = Path(cfg.launch.run_dir) / "eval" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    rollout = cfg.rollout.model_copy(update={"engine_urls": [], "model_path": served})
+    from megatron_sao.distributed.spawn import find_free_port
+
+    # its own port: never the config's, where a live run's engines may answer (and be relabelled by this)
+    rollout = cfg.rollout.model_copy(update={"engine_urls": [], "model_path": served, "num_engines": 1,
+                                             "base_port": find_free_port()})  # fmt: skip
     commands = engines.engine_commands(rollout, served, cfg.launch.gpus_per_node or 0)
     urls = [url for url, _ in commands]
     print(f"[eval] starting {len(commands)} {rollout.engine} engine(s) on {served}: {', '.join(urls)}", flush=True)

@@ -306,7 +306,8 @@ class _Run:
             from megatron_sao.run.evaluate import EvalSchedule, evaluated_versions, make_evaluator
 
             self.evals = EvalSchedule(cfg, make_evaluator(cfg, engine_urls), self.write_eval,
-                                      evaluated_versions(self.run_dir))  # fmt: skip
+                                      evaluated_versions(self.run_dir, learner.version),
+                                      should_stop=lambda: bool(self.stop.signum))  # fmt: skip
             self.engines.evals = self.evals
         self.saved_at: tuple[int, int] | None = (learner.version, self.pretrain.steps) if self.resume else None
         self.step_count = 0
@@ -453,8 +454,8 @@ def _learn(cfg: SAOConfig, layout: DistContext, engine_urls: list[str], on_ready
                   f"{run.resume}); raise learner.max_steps to train on", flush=True)  # fmt: skip
         elif run.rank0 and on_ready is not None:
             on_ready()
-        if run.evals is not None and learner.version < max_steps:
-            run.evals.start(learner.version)  # the engines hold it now (a resumed learner pushed it above)
+        if run.evals is not None and learner.version < max_steps and engines.version == learner.version:
+            run.evals.start(learner.version)  # the engines hold it (a resumed learner's push above landed)
         while learner.version < max_steps:
             t_wait = time.monotonic()
             batch = run.next_batch()

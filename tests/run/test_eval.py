@@ -62,3 +62,49 @@ def test_the_eval_command_evaluates_a_finished_run_and_names_a_missing_checkpoin
     done = evaluate(missing, 120)
     assert done.returncode == 2 and f"--checkpoint {missing}: no such file or directory" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+class _SlowEvaluator:
+    """An Evaluator stand-in whose evaluation runs until cancelled (an engine that stopped answering)."""
+
+    k = 2
+
+    def __init__(self) -> None:
+        import threading
+
+        self.cancelled = threading.Event()
+
+    def cancel_now(self) -> None:
+        self.cancelled.set()
+
+    def run(self, version: int) -> Any:
+        from megatron_sao.rollout.evaluate import Evaluation
+
+        self.cancelled.wait(60)
+        self.cancelled.clear()
+        return Evaluation(version, self.k, given_up=True)
+
+
+def test_a_push_waits_for_an_evaluation_no_longer_than_a_stop_or_its_timeout() -> None:
+    """The learner's next push holds for the evaluation in flight, but a stop request (or eval.timeout_s) cancels it
+    at once: a stuck evaluation can never keep the other learner ranks waiting in the push, nor a stop from its
+    checkpoint; its record says given up."""
+    import time
+
+    from megatron_sao.config import load_config
+    from megatron_sao.run.evaluate import EvalSchedule
+
+    stop, records = [False], []
+    cfg = load_config(None, ["--eval.interval", "5", "--eval.timeout_s", "2"])
+    schedule = EvalSchedule(cfg, _SlowEvaluator(), records.append, should_stop=lambda: stop[0])  # type: ignore[arg-type]
+    schedule.start(5)
+    stop[0] = True
+    t0 = time.monotonic()
+    schedule.hold()
+    assert time.monotonic() - t0 < 5 and records[-1]["eval/given_up"] == 1.0 and "eval/reward/mean" not in records[-1]
+    stop[0] = False
+    schedule.start(10)
+    t0 = time.monotonic()
+    schedule.hold()  # nobody asked to stop: eval.timeout_s (2 s) cancels it
+    assert 1.5 < time.monotonic() - t0 < 8 and records[-1]["eval/weight_version"] == 10.0
+    assert records[-1]["eval/given_up"] == 1.0 and 10 not in schedule.done

@@ -140,7 +140,8 @@ class GenerateHandler:
         reqs = []
         for ids, sp, rid in zip(batch, sps, rids):
             params = sampling_from_json(sp, self.vocab_size)
-            self._check_ids(ids, params.max_new_tokens)
+            sent = isinstance(sp, dict) and sp.get("max_new_tokens") is not None  # SGLang checks only a given one
+            self._check_ids(ids, params.max_new_tokens if sent else 0)
             if body.get("return_routed_experts") and not 0 <= start <= len(ids):  # SGLang's scheduler checks
                 raise ValueError(f"routed_experts_start_len={start} must be in [0, {len(ids)}] (the input tokens)")
             reqs.append(Request(str(rid), list(ids), params, return_routes=routes))

@@ -155,6 +155,8 @@ def check_weights_fit_config(path: Path, model: torch.nn.Module) -> None:
     """ValueError naming config.json when the checkpoint's tensors are not the model config.json describes: a shape
     that differs, or a fused expert tensor some of whose experts no file holds (config.json's num_experts above the
     checkpoint's). transformers loads such a pair without a word and leaves the rest at its random init."""
+    import re
+
     from safetensors import safe_open
 
     from megatron_sao.models.mapping import resolve_in_memory
@@ -162,9 +164,16 @@ def check_weights_fit_config(path: Path, model: torch.nn.Module) -> None:
     tensors = dict(model.state_dict())
     problems: list[str] = []
     experts: dict[str, set[int]] = {}
-    for f in sorted(path.glob("*.safetensors")):
+    # what transformers itself skips on load (e.g. GLM / DeepSeek MTP layers; old rotary buffers)
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    index = path / "model.safetensors.index.json"
+    files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.is_file() \
+        else sorted(path.glob("*.safetensors"))  # fmt: skip
+    for f in files:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():  # noqa: SIM118 - safe_open is no dict
+                if name.endswith("rotary_emb.inv_freq") or any(p.search(name) for p in ignored):
+                    continue
                 shape = tuple(st.get_slice(name).get_shape())
                 try:
                     target = resolve_in_memory(name, tensors)

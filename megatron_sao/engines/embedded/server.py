@@ -306,6 +306,8 @@ class _Handler(BaseHTTPRequestHandler):
             line = self.rfile.readline(1024)
             try:
                 size = int(line.split(b";", 1)[0].strip(), 16)
+                if size < 0:
+                    raise ValueError(size)
             except ValueError:
                 self.close_connection = True
                 self._reply(400, {"error": {"message": f"malformed chunked request body (chunk size {line[:40]!r})"}})
