@@ -213,7 +213,7 @@ def table(result: Evaluation, what: str) -> str:
     from rich.table import Table
 
     record = result.as_record()
-    t = Table(title=f"held-out evaluation of {what}")
+    t = Table(title=f"held-out evaluation of {what}", min_width=72)
     t.add_column("metric")
     t.add_column("value", justify="right")
     for key in sorted(k for k in record if k.startswith("eval/")):
