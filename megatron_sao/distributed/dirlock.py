@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 
 class DirLocked(RuntimeError):
-    """Another live process holds the lock; the message names it and how to stop it."""
+    """The lock cannot be had: another live process holds it (the message names it and how to stop it), or the
+    directory cannot be written."""
 
 
 class DirLock:
@@ -36,8 +37,12 @@ class DirLock:
         self._fd = -1
 
     def acquire(self) -> DirLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # a file in the way, no permission, a read-only or full filesystem
+            raise DirLocked(f"{self.what}='{self.path.parent}' is not writable ({e.strerror}: {e.filename}); choose "
+                            "a directory this user can write") from None  # fmt: skip
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

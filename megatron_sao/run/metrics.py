@@ -156,7 +156,9 @@ SCHEMA: tuple[Metric, ...] = (
     Metric("eval/time", "eval", "seconds the evaluation took"),
     Metric("eval/discarded", "eval", "samples that came back from another weight version and were run again"),
     Metric("eval/restarts", "eval", "times the evaluation started over on the version the engines moved to"),
-    Metric("eval/given_up", "eval", "1 when it was given up (eval.timeout_s, eval.max_restarts, or an error)"),
+    Metric("eval/given_up", "eval", "1 when it was given up (eval.timeout_s, eval.max_restarts, a stop, or an error); "
+           "then it records no scores"),  # fmt: skip
+    Metric("eval/errors", "eval", "samples that failed (an engine error, a prompt too long): the first gives it up"),
     # a rollout worker's records (cumulative since the worker started)
     Metric("time", "worker", "unix time of the record", "rollout"),
     Metric("worker", "worker", "the worker's id (rollout-0, ...)", "rollout"),

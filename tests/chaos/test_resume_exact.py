@@ -35,6 +35,7 @@ def _learner(hf_dir: Path, run_dir: Path, bus: str) -> list[str]:
         "--engines", "", "--model.hf_path", str(hf_dir), "--launch.run_dir", str(run_dir), "--bus.bind", bus,
         "--learner.max_steps", str(STEPS), "--learner.trajectories_per_step", str(PER_STEP),
         "--learner.save_interval", str(SAVE_EVERY), "--bus.max_staleness", "100", "--launch.tensorboard", "false",
+        "--bus.curve", "false",  # the producer is this test, not one of a run's workers holding the run's keys
     ]  # fmt: skip
 
 
