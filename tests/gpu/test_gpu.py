@@ -26,6 +26,7 @@ import torch
 
 from megatron_sao.distributed import spawn_ranks
 from megatron_sao.distributed.spawn import find_free_port
+from tests.learner.test_forward_parity import _hf_logprobs  # transformers on the CPU: the reference
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,23 +43,6 @@ def _te_missing() -> str | None:
     except Exception as e:  # ImportError, or a TE build that does not load against this torch
         return f"Transformer Engine does not import ({type(e).__name__}): pip install -e '.[gpu]'"
     return None
-
-
-def _hf_logprobs(hf_dir: str, temperature: float) -> torch.Tensor:
-    """transformers' per-token log-probs of the synthetic batch, fp32 on the CPU: the reference."""
-    from transformers import AutoModelForCausalLM
-
-    from megatron_sao.learner.batch import make_step_batch
-    from megatron_sao.learner.synthetic import make_batch
-
-    batch = make_step_batch(make_batch(5), max_seq_len=4096)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    ref = torch.zeros_like(batch.rollout_logprobs)
-    with torch.no_grad():
-        for i, toks in enumerate(batch.tokens):
-            logits = model(toks.view(1, -1)).logits[0, :-1] / temperature
-            ref[i, : toks.numel() - 1] = torch.log_softmax(logits, -1).gather(1, toks[1:].view(-1, 1)).view(-1)
-    return ref
 
 
 def _policy_logprobs(hf_dir: str, dtype: str, use_te: bool, temperature: float) -> dict[str, Any]:
