@@ -137,6 +137,9 @@ def _load(
         p.add_argument("--dry-run", action="store_true", help="print the plan and every command; start nothing")
     if prog == "submit":
         p.add_argument("--wait", action="store_true", help="block until the job ends; exit with its status")
+    if prog == "eval":
+        p.add_argument("--checkpoint", default=None, help="a run dir, a save dir or one checkpoint (default: the "
+                       "config's launch.run_dir; 'none': the initial weights, model.hf_path)")  # fmt: skip
     args, overrides = p.parse_known_args(rest)
     cfg = _read_config(args.config, overrides)
     if cfg is None:
@@ -339,21 +342,15 @@ def _eval(ns: argparse.Namespace, rest: list[str]) -> int:
     """`python -m megatron_sao eval CONFIG [--checkpoint PATH|RUN_DIR] [--k v ...]`: held-out evaluation of a
     checkpoint (default: the config's run dir's latest) on engines started for it; prints a table, writes
     <run_dir>/eval/results.jsonl."""
-    p = argparse.ArgumentParser(prog="python -m megatron_sao eval", description="held-out evaluation of a checkpoint")
-    p.add_argument("config", help="the run's YAML/TOML config (its eval section, environment and engines)")
-    p.add_argument("--checkpoint", default=None, help="a run dir, a save dir or one checkpoint (default: the "
-                   "config's launch.run_dir; 'none': the initial weights, model.hf_path)")  # fmt: skip
-    args, overrides = p.parse_known_args(rest)
-    cfg = _read_config(args.config, overrides)
-    if cfg is None:
+    loaded = _load("eval", rest)
+    if loaded is None:
         return 2
+    cfg, args, _ = loaded
     import json
-    import logging
 
     from megatron_sao.engines.sglang_launcher import EngineStartError
     from megatron_sao.run.evaluate import evaluate_checkpoint, table
 
-    logging.basicConfig(level=cfg.launch.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     checkpoint = args.checkpoint if args.checkpoint is not None else cfg.launch.run_dir
     try:
         result, what = evaluate_checkpoint(cfg, None if checkpoint == "none" else checkpoint)
