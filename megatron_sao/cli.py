@@ -189,6 +189,7 @@ def _run(ns: argparse.Namespace, rest: list[str]) -> int:
     cfg, args, overrides = loaded
     from megatron_sao.distributed.dirlock import DirLock, DirLocked
     from megatron_sao.engines.sglang_launcher import EngineStartError
+    from megatron_sao.files import DiskFull
     from megatron_sao.learner.errors import NonFiniteTraining
 
     try:
@@ -207,8 +208,8 @@ def _run(ns: argparse.Namespace, rest: list[str]) -> int:
 
         with DirLock(cfg.launch.run_dir, "run"):  # before anything is written: one run per run dir
             summary = run_local(cfg, args.config, overrides)
-    except (ValueError, EngineStartError, DirLocked) as e:  # a setting to fix (named) or an engine that failed
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, EngineStartError, DirLocked, DiskFull) as e:  # a setting to fix (named), an engine that
+        print(f"error: {e}", file=sys.stderr)  # failed, a full disk
         return 2
     except NonFiniteTraining as e:
         print(f"error: {e}", file=sys.stderr)
@@ -278,6 +279,8 @@ def _learn(ns: argparse.Namespace, rest: list[str]) -> int:
         return 2
     cfg, args, _ = loaded
     from megatron_sao.distributed.dirlock import DirLocked
+    from megatron_sao.files import DiskFull
+    from megatron_sao.learner.checkpoint import CheckpointError
     from megatron_sao.learner.errors import NonFiniteTraining
     from megatron_sao.run.learn import learn
 
@@ -288,7 +291,7 @@ def _learn(ns: argparse.Namespace, rest: list[str]) -> int:
     except NonFiniteTraining as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except DirLocked as e:
+    except (DirLocked, DiskFull, CheckpointError) as e:  # CheckpointError: e.g. a full learner.save_dir, named
         print(f"error: {e}", file=sys.stderr)
         return 2
     if os.environ.get("RANK", "0") == "0":
@@ -302,12 +305,13 @@ def _critic(ns: argparse.Namespace, rest: list[str]) -> int:
     if loaded is None:
         return 2
     cfg, args, _ = loaded
+    from megatron_sao.files import DiskFull
     from megatron_sao.learner.errors import NonFiniteTraining
     from megatron_sao.run.critic import serve
 
     try:
         serve(cfg, args.bridge)
-    except (NonFiniteTraining, ValueError) as e:
+    except (NonFiniteTraining, ValueError, DiskFull) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
@@ -346,7 +350,6 @@ def _eval(ns: argparse.Namespace, rest: list[str]) -> int:
     if loaded is None:
         return 2
     cfg, args, _ = loaded
-    import json
 
     from megatron_sao.engines.sglang_launcher import EngineStartError
     from megatron_sao.run.evaluate import evaluate_checkpoint, table
@@ -359,8 +362,11 @@ def _eval(ns: argparse.Namespace, rest: list[str]) -> int:
         return 2
     print(table(result, what), end="")
     out = Path(cfg.launch.run_dir) / "eval" / "results.jsonl"
-    with open(out, "a") as f:
-        f.write(json.dumps({"checkpoint": what, "time": time.time(), **result.as_record()}) + "\n")
+    from megatron_sao.files import JsonlAppender
+
+    results = JsonlAppender(out, "launch.run_dir")
+    results.write({"checkpoint": what, "time": time.time(), **result.as_record()})
+    results.close()
     print(f"[eval] appended to {out}", flush=True)
     if result.given_up:
         print("error: the evaluation was given up (eval.timeout_s, or the engines kept changing version)",

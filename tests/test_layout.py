@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megatron_sao"
 
 # lower layers first; packages in one layer do not import each other
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("platform", "config"),
+    ("platform", "config", "files"),
     ("distributed", "algo", "models", "bus"),  # helpers below the stages
     ("engines",),  # where generation runs: below everything that talks to an engine
     ("rollout", "learner", "weight_sync", "convert"),  # the stages

@@ -50,7 +50,8 @@ class TrajectoryReceiver:
         )
         self._inbox = Inbox()
         self._wake_batch = max(1, min(cfg.recv_queue_size, cfg.max_inflight) // 8)
-        self._pending_commit: dict[str, tuple[int, tuple[int, ...]]] | None = None
+        self._saved_views: list[dict[str, tuple[int, tuple[int, ...]]]] = []  # of the last state_dict() calls
+        self._saved_since_commit = False
         self._closed = False
         if state is not None:
             self._load(state)
@@ -132,24 +133,34 @@ class TrajectoryReceiver:
     def state_dict(self) -> dict[str, Any]:
         """JSON/msgpack-able de-dup state covering every trajectory returned so far; save it in the checkpoint.
 
-        It also marks what the next commit() covers (trajectories returned after this call are not included).
+        It also marks what a later commit() covers (trajectories returned after this call are not included).
         """
         sd = self._dedup.state_dict()
-        self._pending_commit = {k: (low, tuple(above)) for k, (low, above) in sd["streams"].items()}
+        self._saved_views.append({k: (low, tuple(above)) for k, (low, above) in sd["streams"].items()})
+        self._saved_since_commit = True
         return sd
 
-    def commit(self) -> None:
-        """Tell producers that what the last state_dict() covered is durable; they may drop it for good.
+    def commit(self, keep: int = 0) -> None:
+        """Tell producers that what a saved state_dict() covered is durable; they may drop it for good.
 
-        Call right after the checkpoint holding that state_dict() is safely written. Without any state_dict()
-        since the last commit, it commits everything returned so far (for runs that never checkpoint the bus).
+        Call right after the checkpoint holding the last state_dict() is safely written. `keep` > 0 commits the
+        state_dict() saved `keep` checkpoints earlier instead (nothing until there is one), so producers still hold
+        everything since: a resume from one of those older checkpoints (the newer ones damaged) gets it all again.
+        Without any state_dict() since the last commit, it commits everything returned so far (for runs that never
+        checkpoint the bus).
         """
-        view = self._pending_commit if self._pending_commit is not None else self._dedup.committed_view()
-        self._pending_commit = None
+        if not self._saved_since_commit:
+            view: dict[str, tuple[int, tuple[int, ...]]] | None = self._dedup.committed_view()
+        else:
+            view = self._saved_views[-1 - keep] if len(self._saved_views) > keep else None
+        self._saved_since_commit = False
+        del self._saved_views[: max(0, len(self._saved_views) - keep)]
+        if view is not None:
+            with self._inbox.cv:
+                old = self._inbox.committed
+                self._inbox.committed = view
+                self._inbox.dirty.update(k for k, v in view.items() if old.get(k) != v)
         with self._inbox.cv:
-            old = self._inbox.committed
-            self._inbox.committed = view
-            self._inbox.dirty.update(k for k, v in view.items() if old.get(k) != v)
             latest_base = dict(self._inbox.latest_base)
         forgotten = self._dedup.prune(latest_base)
         if forgotten:
@@ -168,7 +179,8 @@ class TrajectoryReceiver:
     def _load(self, d: dict[str, Any]) -> None:
         self._dedup.load_state_dict(d)
         view = self._dedup.committed_view()  # it was in a checkpoint, so it is committed
-        self._pending_commit = None
+        self._saved_views = [view]
+        self._saved_since_commit = False
         with self._inbox.cv:
             self._inbox.committed = view
             self._inbox.dirty.update(view)
@@ -202,6 +214,7 @@ class TrajectoryReceiver:
         with self._inbox.cv:
             self._inbox.cv.notify_all()
         self._io.stop()
+        self._gate.close()
 
     def __enter__(self) -> TrajectoryReceiver:
         return self

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
+from megatron_sao.files.jsonl import FULL_ERRNOS, DiskFull, no_space
+
 MAGIC = b"SAOSPOOL1\n"
 _FIXED = struct.Struct("<QII")
 _LEN = struct.Struct("<Q")
@@ -114,13 +116,19 @@ class Spool:
 
     def _write_atomic(self, path: Path, parts: Sequence[bytes | memoryview | str]) -> None:
         tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            for p in parts:
-                f.write(p.encode() if isinstance(p, str) else p)
-            if self._fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                for p in parts:
+                    f.write(p.encode() if isinstance(p, str) else p)
+                if self._fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)  # never half a file
+            if e.errno in FULL_ERRNOS:
+                raise DiskFull(e.errno, no_space(self.dir, "bus.spool_dir", path.name)) from e
+            raise
         if self._fsync:
             dir_fd = os.open(self.dir, os.O_RDONLY)
             try:

@@ -116,6 +116,12 @@ class LearnerConfig(Section):
     save_interval: int = Field(default=50, ge=1)
     """Policy steps between checkpoints."""
 
+    fallback_checkpoints: int = Field(default=1, ge=0)
+    """How many checkpoints a resume can fall back over (the newer ones damaged) and still train every trajectory:
+    producers keep each trajectory (in their spool, or in memory without one) until this many checkpoints after the
+    one that covers it are written, so a resume from an older checkpoint gets the abandoned steps' trajectories again
+    and trains them. Spools hold this many more save intervals of trajectories; 0 frees them at once."""
+
     load: str | None = None
     """Checkpoint directory to resume from (any TP/EP/PP layout)."""
 

@@ -45,8 +45,10 @@ class SAOConfig(Section):
         self.bus.with_run_keys(self.launch.run_dir)
         self.parallel.check_world_size(self.launch.learner_world_size)
         if self.eval.interval and self.eval.interval % self.weight_sync.interval:
-            raise ValueError(f"eval.interval={self.eval.interval} is no multiple of weight_sync.interval="
-                             f"{self.weight_sync.interval}: the engines never hold the versions it names; make it one")
+            raise ValueError(
+                f"eval.interval={self.eval.interval} is no multiple of weight_sync.interval="
+                f"{self.weight_sync.interval}: the engines never hold the versions it names; make it one"
+            )
         if self.eval.interval and self.launch.learner_world_size > 1 and self.eval.timeout_s >= 540:
             raise ValueError(f"eval.timeout_s={self.eval.timeout_s:g} with {self.launch.learner_world_size} learner "
                              "ranks: the other ranks wait for rank 0's evaluation inside the next push, whose "
@@ -68,9 +70,11 @@ class SAOConfig(Section):
         hf = self.model.hf_config_dict()
         context = (hf or {}).get("max_position_embeddings")
         if context and self.rollout.max_total_tokens > int(context):
-            raise ValueError(f"rollout.max_total_tokens={self.rollout.max_total_tokens} exceeds the model's context "
-                             f"({context} tokens, max_position_embeddings of {self.model.hf_path}/config.json): the "
-                             "engines refuse a turn that would pass it (SGLang's rule); lower rollout.max_total_tokens")
+            raise ValueError(
+                f"rollout.max_total_tokens={self.rollout.max_total_tokens} exceeds the model's context "
+                f"({context} tokens, max_position_embeddings of {self.model.hf_path}/config.json): the "
+                "engines refuse a turn that would pass it (SGLang's rule); lower rollout.max_total_tokens"
+            )
         if hf is not None and hf.get("num_attention_heads"):
             mla = "kv_lora_rank" in hf  # multi-latent attention: no key/value head groups to split
             kv = None if mla else int(hf.get("num_key_value_heads") or hf["num_attention_heads"])

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_sao.learner.integrity import describe_os_error, partial_dir, verify_checksums, write_checksums
+from megatron_sao.learner.integrity import describe_save_error, partial_dir, verify_checksums, write_checksums
 from megatron_sao.models.checkpoint import (
     HF_SOURCE_KEY,
     POLICY_PREFIX,
@@ -157,6 +157,11 @@ def save_checkpoint(
     if dist.get_rank() == 0:
         try:
             save_dir.mkdir(parents=True, exist_ok=True)
+            if path.exists() and any(path.iterdir()) and _abandoned(learner, path):
+                target = _aside_name(path, "abandoned")
+                path.rename(target)  # a version of a line the run went back from: kept, never deleted
+                logger.warning("%s is from versions this run went back from (it resumed from %s): moved aside to %s",
+                               path.name, learner.loaded_from, target.name)  # fmt: skip
             if path.exists() and any(path.iterdir()):
                 error = f"{path} already holds a checkpoint; remove it or save at another version"
             else:
@@ -166,7 +171,7 @@ def save_checkpoint(
                     shutil.rmtree(partial)  # a save of this name that was cut (crash, full disk): never a blocker
                 partial.mkdir()
         except OSError as e:
-            error = describe_os_error(e, path)
+            error = describe_save_error(e, path)
     _raise_on_every_rank(error)
     state = _sharded_state(learner, is_loading=False)
     common = _common_state(learner, extra)
@@ -175,15 +180,16 @@ def save_checkpoint(
     failure = None
     try:
         dist_checkpointing.save(state, str(partial))
-    except OSError as e:
-        failure = describe_os_error(e, path)
+    except Exception as e:  # OSError, or torch's writer naming no errno (`unexpected pos ...`) on a full disk
+        logger.debug("saving %s failed", path, exc_info=True)
+        failure = describe_save_error(e, path)
     failures = [f for f in _all_gather(failure) if f]
     if not failures:
         dist.barrier()
         try:
             write_checksums(partial)
         except OSError as e:
-            failures = [describe_os_error(e, path)]
+            failures = [describe_save_error(e, path)]
     error = None
     if dist.get_rank() == 0:
         try:
@@ -196,9 +202,20 @@ def save_checkpoint(
                 tmp.write_text(path.name + "\n")
                 tmp.replace(save_dir / LATEST)  # atomic: `latest` never names a partial checkpoint
         except OSError as e:
-            error = describe_os_error(e, path)
+            error = describe_save_error(e, path)
     _raise_on_every_rank(error)
     return path
+
+
+def _abandoned(learner: Learner, path: Path) -> bool:
+    """Whether the checkpoint at `path` is ahead of the one this learner resumed from in the same directory: the run
+    went back to an older checkpoint (the newer ones damaged, or learner.load chose it), so `path` holds versions
+    of a line it abandoned."""
+    loaded = learner.loaded_from
+    if loaded is None or loaded.parent.resolve() != path.parent.resolve():
+        return False
+    order = {p.name: i for i, p in enumerate(reversed(_checkpoints_in(path.parent)))}  # oldest first
+    return path.name in order and loaded.name in order and order[path.name] > order[loaded.name]
 
 
 def _all_gather(value: str | None) -> list[str | None]:
@@ -219,9 +236,10 @@ def _checkpoints_in(save_dir: Path) -> list[Path]:
 
 def intact_checkpoint(path: str | Path) -> Path:
     """Collective: the checkpoint to load from `path` -- a checkpoint directory, or a save_dir whose `latest` names
-    one -- after verifying its files (learner/integrity.py). A damaged `latest` falls back to the newest intact
-    checkpoint of the save_dir, saying so; none intact, or a damaged directory named directly: CheckpointError with
-    the bad file and the fix."""
+    one -- after verifying its files (learner/integrity.py). A damaged (or missing) `latest` falls back to the newest
+    intact checkpoint of the save_dir, saying so: the damaged ones are moved aside (`<name>.damaged`, kept for a
+    look, never deleted) and `latest` names the one loaded, so the run saves those versions again. None intact, or a
+    damaged directory named directly: CheckpointError with the bad file and the fix."""
     path = Path(path)
     if not (path / LATEST).is_file():
         path = resolve_checkpoint(path)
@@ -229,18 +247,55 @@ def intact_checkpoint(path: str | Path) -> Path:
         if problem:
             raise CheckpointError(f"checkpoint {path} is damaged: {problem}; load another one (learner.load)")
         return path
-    named = resolve_checkpoint(path)
+    named = path / (path / LATEST).read_text().strip()
     problems: list[str] = []
+    damaged: list[Path] = []
     for candidate in [named, *(c for c in _checkpoints_in(path) if c != named)]:
-        problem = verify_checksums(candidate)
+        problem = verify_checksums(candidate) if (candidate / "metadata.json").is_file() else (
+            f"{candidate} is missing or incomplete (no metadata.json)")  # fmt: skip
         if problem is None:
             if candidate != named:
                 logger.warning("%s names %s, which is damaged (%s); loading %s, the newest intact checkpoint",
                                path / LATEST, named.name, problems[0], candidate.name)  # fmt: skip
+                _set_aside(path, damaged, candidate)
             return candidate
         problems.append(problem)
+        if candidate.is_dir():
+            damaged.append(candidate)
     raise CheckpointError(f"no intact checkpoint in {path}: {'; '.join(problems)}. Move {path} away to start from "
                           "model.hf_path, or set learner.load to a checkpoint that is intact")  # fmt: skip
+
+
+def _aside_name(path: Path, why: str) -> Path:
+    """`<path>.<why>`, or `<path>.<why>.<n>` when that is taken: nothing set aside is ever overwritten."""
+    target, n = path.with_name(f"{path.name}.{why}"), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.{why}.{n}")
+    return target
+
+
+def _set_aside(save_dir: Path, damaged: list[Path], loaded: Path) -> None:
+    """Collective (rank 0 works): damaged checkpoints renamed `<name>.damaged`, `latest` set to the one loaded. A
+    read-only save_dir (another run's) is left as it is, with a warning."""
+    error = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            for bad in damaged:
+                target = _aside_name(bad, "damaged")
+                bad.rename(target)
+                logger.warning("moved the damaged checkpoint %s aside to %s (kept, never deleted)", bad, target.name)
+            tmp = save_dir / f".{LATEST}.tmp"
+            tmp.write_text(loaded.name + "\n")
+            tmp.replace(save_dir / LATEST)
+        except OSError as e:
+            error = f"could not move the damaged checkpoints in {save_dir} aside ({e}); saving there will refuse them"
+    if dist.is_initialized():
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        logger.warning("%s", error)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

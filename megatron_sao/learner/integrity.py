@@ -6,13 +6,15 @@ and names the first bad file; a save_dir whose `latest` is damaged falls back to
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
+import shutil
 import zlib
 from pathlib import Path
 
 import torch.distributed as dist
+
+from megatron_sao.files import is_disk_full, no_space
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +102,21 @@ def _broadcast(files: list[Path]) -> list[Path]:
     return box[0]
 
 
-def describe_os_error(e: OSError, where: Path) -> str:
-    if e.errno == errno.ENOSPC:
-        return (f"no space left on the device writing the checkpoint to {where} (ENOSPC): free space under "
-                "learner.save_dir or point learner.save_dir elsewhere; the partial checkpoint was removed")  # fmt: skip
-    return f"writing the checkpoint to {where} failed: {e}"
+FULL_MARGIN = 16 << 20
+"""Free bytes under which a failed save counts as a full disk (torch's zip writer reports one as `unexpected pos`)."""
+
+
+def disk_nearly_full(where: Path) -> bool:
+    for p in (where, *where.parents):
+        if p.exists():
+            return shutil.disk_usage(p).free < FULL_MARGIN
+    return False
+
+
+def describe_save_error(e: BaseException, where: Path) -> str:
+    """What went wrong writing the checkpoint `where`: a full disk named as such (ENOSPC in the exception's chain,
+    or the disk nearly full after a failure that names neither), else the error itself."""
+    if is_disk_full(e) or (not isinstance(e, OSError) and disk_nearly_full(where)):
+        return no_space(where.parent, "learner.save_dir", f"the checkpoint {where.name}") + (
+            f" (the partial checkpoint was removed; the error: {type(e).__name__}: {e})")  # fmt: skip
+    return f"writing the checkpoint to {where} failed: {type(e).__name__}: {e}"

@@ -516,7 +516,8 @@ class Learner:
 
     def _staleness(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         oldest = [t.oldest_version() for t in trajectories]
-        lag = np.array([self.version - v for v in oldest if v is not None], dtype=np.float64)
+        # never negative: tokens of a version abandoned by a resume from an older checkpoint count as fresh
+        lag = np.array([max(self.version - v, 0) for v in oldest if v is not None], dtype=np.float64)
         versions = {int(v) for t in trajectories for v in np.unique(t.weight_versions[t.action_mask])}
         if lag.size == 0:
             return {}

@@ -11,6 +11,7 @@ import threading
 from typing import Any
 
 from megatron_sao.config import ConfigError, load_config
+from megatron_sao.files import DiskFull
 from megatron_sao.rollout.worker import Undelivered, WorkerIdInUse
 
 
@@ -101,6 +102,9 @@ def _serve(cfg: Any, args: argparse.Namespace, sender: Any, stop: threading.Even
             status = worker.run(max_prompts=args.max_prompts, stop=stop)
         except WorkerIdInUse as e:
             print(f"error: {e}")
+            return 2
+        except DiskFull as e:  # what was written is whole; the cursor and the spool stand
+            print(f"error: {e}", flush=True)
             return 2
         logging.getLogger(__name__).info(
             "rollout worker %s done: %s; %d finished trajectories not delivered (stopped while the bus was full)",

@@ -18,6 +18,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from megatron_sao.files.jsonl import FULL_ERRNOS, DiskFull, no_space
+
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     records = []
@@ -136,9 +138,15 @@ class PromptCursor:
             self.completed = int(state["completed"])
 
     def save(self, path: str | Path, not_durable: set[str] | frozenset[str] = frozenset()) -> None:
-        tmp = f"{path}.tmp"
-        Path(tmp).write_text(json.dumps(self.state_dict(not_durable)))
-        os.replace(tmp, path)
+        tmp = Path(f"{path}.tmp")
+        try:
+            tmp.write_text(json.dumps(self.state_dict(not_durable)))
+            os.replace(tmp, path)
+        except OSError as e:  # the saved cursor stays as it was
+            tmp.unlink(missing_ok=True)
+            if e.errno in FULL_ERRNOS:
+                raise DiskFull(e.errno, no_space(Path(path).parent, "launch.run_dir", Path(path).name)) from e
+            raise
 
     def load(self, path: str | Path) -> bool:
         """Restore from `path` when it exists; returns whether it did."""

@@ -39,6 +39,7 @@ from megatron_sao.engines.client import (
     EngineUnavailable,
     NoHealthyEngine,
 )
+from megatron_sao.files import JsonlAppender
 from megatron_sao.rollout.agent_loop import AgentLoop, EpisodeAborted
 from megatron_sao.rollout.prompts import PromptCursor
 
@@ -194,6 +195,8 @@ class RolloutWorker:
         self.metrics = WorkerMetrics()
         self._lock = threading.Lock()
         self._ledger_lock = threading.Lock()
+        self._ledger_file: JsonlAppender | None = None
+        self._metrics_file: JsonlAppender | None = None
         self._undelivered: set[str] = set()  # prompts a sample of which the sink gave up
         self._sent: set[tuple[str, int]] = set()
         self._sent_keys: dict[str, str] = {}  # trajectory id -> prompt key, while the sink may still lose it
@@ -238,6 +241,10 @@ class RolloutWorker:
         self._take_rejected()
         self.save_state()
         self._release_state()
+        for f in (self._ledger_file, self._metrics_file):
+            if f is not None:
+                f.close()
+        self._ledger_file = self._metrics_file = None
 
     def _release_state(self) -> None:
         if self._state_lock_fd >= 0:
@@ -410,10 +417,12 @@ class RolloutWorker:
                       "versions": [int(acted.min()), int(acted.max())] if acted.size else None})  # fmt: skip
 
     def _ledger(self, line: dict[str, Any]) -> None:
+        """A whole line before the event it records happens (a full disk raises DiskFull: the event does not)."""
         if self.cfg.ledger_path:
-            Path(self.cfg.ledger_path).parent.mkdir(parents=True, exist_ok=True)
-            with self._ledger_lock, open(self.cfg.ledger_path, "a") as f:
-                f.write(json.dumps({**line, "time": time.time()}) + "\n")
+            with self._ledger_lock:
+                if self._ledger_file is None:
+                    self._ledger_file = JsonlAppender(self.cfg.ledger_path, "launch.run_dir")
+                self._ledger_file.write({**line, "time": time.time()})
 
     def _sample_failed(self, key: str, sample_index: int) -> None:
         self._ledger({"event": "failed", "prompt": key, "sample": sample_index, "worker": self.cfg.worker_id})
@@ -535,9 +544,9 @@ class RolloutWorker:
                       **{f"rollout/{k}": v for k, v in s.items() if k != "engines"}}  # fmt: skip
             for url, e in engines.items():
                 record.update({f"engine/{url}/{k}": e[k] for k in ("requests", "failures", "tokens", "outstanding")})
-            Path(self.cfg.metrics_path).parent.mkdir(parents=True, exist_ok=True)
-            with open(self.cfg.metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            if self._metrics_file is None:
+                self._metrics_file = JsonlAppender(self.cfg.metrics_path, "launch.run_dir")
+            self._metrics_file.write(record)
 
 
 def worker_from_config(

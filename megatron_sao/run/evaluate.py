@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_sao.config.tree import SAOConfig
+from megatron_sao.files import read_records
 from megatron_sao.rollout.evaluate import Evaluation, Evaluator
 
 log = logging.getLogger(__name__)
@@ -43,15 +43,8 @@ def make_evaluator(cfg: SAOConfig, engine_urls: list[str]) -> Evaluator:
 def evaluated_versions(run_dir: Path, up_to: int) -> set[int]:
     """Versions up to `up_to` (the version a run resumes at) its metrics.jsonl already holds a finished evaluation of:
     a resumed run does not measure them again (later ones belonged to steps the resume discards)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return set()
     out = set()
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a torn last line of a run that died mid-write
-            continue
+    for record in read_records(run_dir / "metrics.jsonl"):  # a torn last line (a run that died mid-write) left out
         version = record.get("eval/weight_version")
         if version is not None and not record.get("eval/given_up") and int(version) <= up_to:
             out.add(int(version))

@@ -351,7 +351,7 @@ class _Run:
                              self.pretrain.steps)  # fmt: skip
         self.saved_at = at
         if self.receiver is not None:
-            self.receiver.commit()
+            self.receiver.commit(keep=self.cfg.learner.fallback_checkpoints)
             log.info("checkpoint %s (version %d)", path, self.learner.version)
         return time.monotonic() - t0
 

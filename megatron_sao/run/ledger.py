@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_sao.files import read_records
+
 SPOOL_MAGIC = b"SAOSPOOL1\n"  # bus/spool.py's file layout: MAGIC | u64 seq | u32 n_frames | u32 id_len | id ...
 _SPOOL_FIXED = struct.Struct("<QII")
 
@@ -75,16 +77,9 @@ class LedgerReport:
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except ValueError:  # a line cut by a crash mid-write: only the last one can be
-                out.append({"event": "unreadable", "where": f"{path}:{n}"})
-    return out
+    """The file's records; a torn last line (a write cut by a crash or a full disk) is left out and reported once
+    (files/jsonl.py); any other unreadable line comes back as an `unreadable` event: a violation."""
+    return read_records(path)
 
 
 def consumed_ids(learner_lines: list[dict[str, Any]]) -> tuple[list[str], int]:
@@ -100,6 +95,20 @@ def consumed_ids(learner_lines: list[dict[str, Any]]) -> tuple[list[str], int]:
         elif "id" in line:
             kept.append(((int(line["step_version"]), int(line.get("pretrain_steps", 0))), str(line["id"])))
     return [i for _, i in kept], voided
+
+
+def held_ids(learner_lines: list[dict[str, Any]]) -> set[str]:
+    """What the checkpoint the run would resume from holds for groups not yet whole: the last `held` mark that no
+    later start voided (a start from an older checkpoint -- a fallback -- voids the marks of the checkpoints after
+    it)."""
+    marks: list[tuple[tuple[int, int], list[str]]] = []
+    for line in learner_lines:
+        if line.get("event") == "start":
+            at = (int(line["version"]), int(line.get("pretrain_steps", 0)))
+            marks = [(k, ids) for k, ids in marks if k <= at]
+        elif line.get("event") == "held":
+            marks.append(((int(line["version"]), int(line.get("pretrain_steps", 0))), list(line["ids"])))
+    return set(marks[-1][1]) if marks else set()
 
 
 def spooled_ids(spool_dir: Path) -> set[str]:
@@ -187,8 +196,10 @@ def _check_training(learner_lines: list[dict[str, Any]], side: _WorkerSide, work
             report.violations.append(f"trajectory {tid} was trained but its worker never sent it")
         elif tid is not None and worker is not None and worker not in started and worker not in strangers:
             strangers.add(worker)
-            report.violations.append(f"trajectory {tid} was trained from producer {worker!r}, which never registered "
-                                     "a start in ledger/<worker>.jsonl: not one of this run's rollout workers")
+            report.violations.append(
+                f"trajectory {tid} was trained from producer {worker!r}, which never registered "
+                "a start in ledger/<worker>.jsonl: not one of this run's rollout workers"
+            )
 
 
 def _check_fates(run: Path, side: _WorkerSide, fate: set[str], workers: set[str], report: LedgerReport) -> None:
@@ -228,8 +239,7 @@ def check_ledger(
             report.violations.append(f"unreadable ledger line {line['where']}")
     side = _read_worker_side(worker_lines, report)
     consumed, report.voided = consumed_ids(learner_lines)
-    helds = [line for line in learner_lines if line.get("event") == "held"]
-    held = set(helds[-1]["ids"]) if helds else set()  # in the last checkpoint, for groups not yet whole
+    held = held_ids(learner_lines)
     counts = Counter(consumed)
     stale = {str(x["trajectory_id"]) for x in _lines(Path(stale_log) if stale_log else run / "stale.jsonl")
              if x.get("action") == "dropped"}  # fmt: skip

@@ -7,7 +7,6 @@ schema_table()'s output; tests/run/test_metrics.py checks that runs write every 
 from __future__ import annotations
 
 import fnmatch
-import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_sao.bus.schema import Trajectory
+from megatron_sao.files import JsonlAppender
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +147,11 @@ SCHEMA: tuple[Metric, ...] = (
     Metric("time/eval_wait", "eval_wait", "the push waiting for the evaluation of the weights the engines held"),
     Metric("eval/weight_version", "eval", "the one weight version every sample of the evaluation came from"),
     Metric("eval/reward/mean", "eval", "mean reward of the held-out samples (eval.samples_per_prompt per prompt)"),
-    Metric("eval/success_rate", "eval", "share of the held-out samples solved (success, else reward >= "
-           "eval.success_reward)"),  # fmt: skip
+    Metric(
+        "eval/success_rate",
+        "eval",
+        "share of the held-out samples solved (success, else reward >= eval.success_reward)",
+    ),  # fmt: skip
     Metric("eval/pass@*", "eval", "unbiased pass@k over the held-out prompts, for k = 1 and eval.samples_per_prompt"),
     Metric("eval/avg@*", "eval", "mean share of solved samples per prompt, k = eval.samples_per_prompt"),
     Metric("eval/prompts", "eval", "held-out prompts evaluated"),
@@ -156,8 +159,11 @@ SCHEMA: tuple[Metric, ...] = (
     Metric("eval/time", "eval", "seconds the evaluation took"),
     Metric("eval/discarded", "eval", "samples that came back from another weight version and were run again"),
     Metric("eval/restarts", "eval", "times the evaluation started over on the version the engines moved to"),
-    Metric("eval/given_up", "eval", "1 when it was given up (eval.timeout_s, eval.max_restarts, a stop, or an error); "
-           "then it records no scores"),  # fmt: skip
+    Metric(
+        "eval/given_up",
+        "eval",
+        "1 when it was given up (eval.timeout_s, eval.max_restarts, a stop, or an error); then it records no scores",
+    ),  # fmt: skip
     Metric("eval/errors", "eval", "samples that failed (an engine error, a prompt too long): the first gives it up"),
     # a rollout worker's records (cumulative since the worker started)
     Metric("time", "worker", "unix time of the record", "rollout"),
@@ -230,8 +236,7 @@ class MetricsLog:
     scalar at global step `step` (launch.tensorboard), and to wandb (launch.wandb)."""
 
     def __init__(self, run_dir: Path, tensorboard: bool = True, wandb: str | None = None, config: Any = None) -> None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.file = (run_dir / "metrics.jsonl").open("a")
+        self.file = JsonlAppender(run_dir / "metrics.jsonl", "launch.run_dir")
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -242,8 +247,7 @@ class MetricsLog:
             self.wandb = _start_wandb(run_dir, wandb, config)
 
     def write(self, record: Mapping[str, Any]) -> None:
-        self.file.write(json.dumps(record, sort_keys=True) + "\n")
-        self.file.flush()
+        self.file.write(record, sort_keys=True)
         scalars = {k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
         step = int(record.get("step", 0))
         if self.tb is not None:
@@ -277,13 +281,11 @@ class TrajectoryLedger:
     arrival at the learner). What the pipeline-efficiency benchmark and the cluster simulator read."""
 
     def __init__(self, path: Path, start_version: int, pretrain_steps: int) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = path.open("a")
+        self.file = JsonlAppender(path, "launch.run_dir")
         # A learner (re)starting from a checkpoint voids what it consumed after that checkpoint: it trains on those
         # trajectories again (the bus resends them). The ledger check (run/ledger.py) replays these marks.
-        self.file.write(json.dumps({"event": "start", "version": start_version, "pretrain_steps": pretrain_steps,
-                                    "time": time.time()}) + "\n")  # fmt: skip
-        self.file.flush()
+        self.file.write({"event": "start", "version": start_version, "pretrain_steps": pretrain_steps,
+                         "time": time.time()})  # fmt: skip
 
     def write(
         self, batch: Sequence[Trajectory], version: int, pretrain: bool, pretrain_steps: int = 0,
@@ -292,13 +294,14 @@ class TrajectoryLedger:
         """`first_values`: the critic's value at each trajectory's first action token (arms with a critic)."""
         now = time.time()
         first_values = first_values or {}
+        lines = []
         for t in batch:
             h = t.header
             acted = t.weight_versions[t.action_mask]
             extra: dict[str, Any] = {"metadata": dict(h.metadata)} if h.metadata else {}
             if h.trajectory_id in first_values:
                 extra["value_first"] = first_values[h.trajectory_id]
-            self.file.write(json.dumps({
+            lines.append({
                 "id": h.trajectory_id, "prompt_id": h.prompt_id, "sample": h.sample_index, "worker": h.worker_id,
                 "step_version": version, "pretrain": pretrain, "pretrain_steps": pretrain_steps,
                 "versions": [int(acted.min()), int(acted.max())] if acted.size else None,
@@ -306,14 +309,13 @@ class TrajectoryLedger:
                 "reward": h.reward, "started_at": h.timings.started_at, "finished_at": h.timings.finished_at,
                 "sent_at": h.timings.sent_at, "trained_at": now, "gen_s": sum(turn.generate_s for turn in h.turns),
                 "tool_s": sum(turn.tool_s for turn in h.turns), **extra,
-            }) + "\n")  # fmt: skip
-        self.file.flush()
+            })  # fmt: skip
+        self.file.write_many(lines)  # a step's lines whole, or none (a full disk: DiskFull)
 
     def held(self, ids: list[str], version: int, pretrain_steps: int) -> None:
         """At a checkpoint: the trajectories it holds for groups not yet whole (trained after a resume from it)."""
-        self.file.write(json.dumps({"event": "held", "ids": ids, "version": version, "pretrain_steps": pretrain_steps,
-                                    "time": time.time()}) + "\n")  # fmt: skip
-        self.file.flush()
+        self.file.write({"event": "held", "ids": ids, "version": version, "pretrain_steps": pretrain_steps,
+                         "time": time.time()})  # fmt: skip
 
     def close(self) -> None:
         self.file.close()

@@ -5,10 +5,11 @@ The main job writes <run_dir>/reward.png at its end."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from megatron_sao.files import read_records
 
 FIGURES: dict[str, tuple[str, tuple[str, ...]]] = {
     # file stem -> (title, metric keys drawn against the step)
@@ -27,7 +28,7 @@ def _records(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run directory (launch.run_dir)?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in read_records(path) if r.get("event") != "unreadable"]
 
 
 def read_steps(run_dir: str | Path) -> list[dict[str, Any]]:

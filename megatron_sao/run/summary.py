@@ -7,15 +7,16 @@ over the first `window` policy steps; after: the mean over the last `window` pol
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
+from megatron_sao.files import read_records
+
 
 def summarize(run_dir: str | Path, window: int = 10) -> dict[str, Any]:
     path = Path(run_dir) / "metrics.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    records = [r for r in read_records(path) if r.get("event") != "unreadable"]
     rewarded = [r for r in records if "reward/mean" in r]
     pretrain = [r for r in rewarded if r.get("weight_version") == 0 and "pretrain/samples" in r]
     steps = [r for r in rewarded if r.get("weight_version", 0) > 0 and "step/trajectories" in r]

@@ -176,18 +176,22 @@ class GenerateHandler:
         return encode(texts) if isinstance(texts, str) else [encode(t) for t in texts]
 
     def _check_ids(self, ids: Any, max_new_tokens: int) -> None:
-        if not isinstance(ids, list) or not ids or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids
+        if (
+            not isinstance(ids, list)
+            or not ids
+            or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids)
         ):
             raise ValueError(f"input_ids must be non-empty ints in [0, {self.vocab_size})")
         ctx = self.scheduler.context_len
         if len(ids) >= ctx:
             raise ValueError(f"The input ({len(ids)} tokens) is longer than the model's context length ({ctx} tokens).")
         if len(ids) + max_new_tokens > ctx:  # SGLang's check (tokenizer_manager, without --allow-auto-truncate)
-            raise ValueError(f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You "
-                             f"requested a total of {len(ids) + max_new_tokens} tokens: {len(ids)} tokens from the "
-                             f"input messages and {max_new_tokens} tokens for the completion. Please reduce the "
-                             "number of tokens in the input messages or the completion to fit within the limit.")
+            raise ValueError(
+                f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You "
+                f"requested a total of {len(ids) + max_new_tokens} tokens: {len(ids)} tokens from the "
+                f"input messages and {max_new_tokens} tokens for the completion. Please reduce the "
+                "number of tokens in the input messages or the completion to fit within the limit."
+            )
 
     def _response(self, r: Request, opts: dict[str, Any], latency: float) -> dict[str, Any]:
         n = len(r.output_ids)
