@@ -304,3 +304,31 @@ def test_send_reports_a_dead_io_thread_instead_of_hanging(monkeypatch) -> None:
         assert errors and "I/O thread failed" in str(errors[0])
     finally:
         s.close()  # a dead I/O thread must not stop close(); an unclosed context would hang at GC
+
+
+def test_a_late_commit_keeps_a_checkpoint_back_so_a_fallback_trains_it_again() -> None:
+    """commit(keep=1), as the learner loop does (learner.fallback_checkpoints): producers hold everything since the
+    checkpoint before the newest; a receiver resumed from that older checkpoint gets the newer steps' trajectories
+    again and takes them (they are not in its de-dup state)."""
+    cfg = fast_cfg(free_addr())
+    s = TrajectorySender(cfg, "p")
+    for k in range(6):
+        s.send(traj(k), timeout_s=5)
+    r1 = TrajectoryReceiver(cfg)
+    first = _drain(r1, 2)
+    older = msgspec.json.decode(msgspec.json.encode(r1.state_dict()))  # checkpoint A covers w-0, w-1
+    r1.commit(keep=1)  # no checkpoint before A: nothing committed yet
+    time.sleep(0.3)
+    assert s.metrics()["uncommitted"] == 6
+    abandoned = _drain(r1, 2)
+    r1.state_dict()  # checkpoint B covers w-0..w-3
+    r1.commit(keep=1)  # commits A only
+    wait_for(lambda: s.metrics()["uncommitted"] == 4, what="A committed")
+    assert s.pending_ids() == ["w-2", "w-3", "w-4", "w-5"]
+    r1.close()
+    r2 = TrajectoryReceiver(cfg, state=older)  # B is damaged: the learner resumes from A
+    again = _drain(r2, 4)
+    assert r2.recv(timeout_s=0.5) is None
+    assert sorted(again) == sorted([*abandoned, "w-4", "w-5"]) and not set(first) & set(again)
+    r2.close()
+    s.close()

@@ -35,3 +35,16 @@ def test_keep_policy_keeps_but_records() -> None:
 def test_a_bound_without_a_version_source_is_a_config_error() -> None:
     with pytest.raises(ValueError, match="current_version"):
         StalenessGate(None, 3, "drop", None, recent_cap=1)
+
+
+def test_a_trajectory_from_a_version_the_learner_does_not_hold_is_never_negatively_stale() -> None:
+    """After a resume that fell back to an older checkpoint, tokens of the abandoned versions come back: staleness
+    0, counted in ahead_of_learner, never negative."""
+    from megatron_sao.bus.staleness import StalenessGate
+    from tests.bus.helpers import traj
+
+    gate = StalenessGate(lambda: 4, 2, "drop", None, 8)
+    t = traj(0, version=8)
+    assert gate.admit(t) and t.extras["staleness"] == 0
+    m = gate.metrics()
+    assert m["ahead_of_learner"] == 1 and m["staleness_max"] == 0

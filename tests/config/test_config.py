@@ -247,3 +247,19 @@ def test_router_url_must_be_an_http_url():
     assert load_config(None, ["--rollout.router_url", "http://10.0.0.1:30000"]).rollout.router_url
     with pytest.raises(ConfigError, match="rollout.router_url='10.0.0.1:30000' must be an http"):
         load_config(None, ["--rollout.router_url", "10.0.0.1:30000"])
+
+
+@pytest.mark.parametrize(
+    ("override", "value", "words"),
+    [
+        ("learner.max_steps", "true", "boolean"),
+        ("learner.policy.lr", "inf", "finite"),
+        ("rollout.sampling.temperature", "nan", "finite"),
+    ],
+)
+def test_a_boolean_or_non_finite_number_is_refused_naming_the_field(override: str, value: str, words: str) -> None:
+    """Issue 31, item 5: `--learner.max_steps true` was taken as 1, and inf passed as a learning rate."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu" / "config.yaml"
+    with pytest.raises(ConfigError) as e:
+        load_config(example, [f"--{override}", value])
+    assert override.rsplit(".", 1)[1] in str(e.value) and words in str(e.value).lower(), str(e.value)

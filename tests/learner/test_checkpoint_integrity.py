@@ -57,11 +57,22 @@ def _scenario(hf_dir: str, root: str, batches: list) -> dict:
     fresh = Learner(cfg)
     ck.load_checkpoint(fresh, root_p)
     out["fell_back_to"] = fresh.version
+    out["after_fallback"] = sorted(p.name for p in root_p.iterdir())
+    out["latest_after_fallback"] = (root_p / "latest").read_text().strip()
+    fresh.train_step(batches[1])  # the run goes on from version 1 and saves version 2 again: nothing blocks it
+    ck.save_checkpoint(fresh, root_p)
+    out["resaved"] = sorted(p.name for p in root_p.iterdir())
     try:
-        ck.load_checkpoint(Learner(cfg), root_p / "iter_0000002")
+        ck.load_checkpoint(Learner(cfg), root_p / "iter_0000002.damaged")
     except ck.CheckpointError as e:
         out["direct"] = str(e)
+    again = Learner(cfg)  # learner.load names an older checkpoint of the same directory
+    ck.load_checkpoint(again, root_p / "iter_0000001")
+    again.train_step(batches[1])
+    ck.save_checkpoint(again, root_p)
+    out["abandoned"] = sorted(p.name for p in root_p.iterdir())
     damage(root_p / "iter_0000001" / "common.pt", "truncate")
+    damage(_data_file(root_p / "iter_0000002"), "flip")
     try:
         ck.load_checkpoint(Learner(cfg), root_p)
     except ck.CheckpointError as e:
@@ -104,11 +115,35 @@ def test_damaged_checkpoints_are_found_named_and_never_block(tiny_hf_dir, tmp_pa
     out = spawn_ranks(_scenario, 2, hf_dir, str(root), batches, timeout_s=600)[0]
     assert out["listing"] == ["iter_0000001", "iter_0000002", "latest"] and out["has_checksums"]
     assert out["fell_back_to"] == 1  # latest (iter 2) had flipped bytes: the newest intact one loads
-    assert "iter_0000002" in out["direct"] and "does not match its checksum" in out["direct"]
+    # the damaged one is kept aside, `latest` names what was loaded, and saving version 2 again just works
+    assert out["after_fallback"] == ["iter_0000001", "iter_0000002.damaged", "latest"]
+    assert out["latest_after_fallback"] == "iter_0000001"
+    assert out["resaved"] == ["iter_0000001", "iter_0000002", "iter_0000002.damaged", "latest"]
+    assert "iter_0000002.damaged" in out["direct"] and "does not match its checksum" in out["direct"]
     assert ".distcp" in out["direct"]
+    # resumed from iter 1 with iter 2 present: the save of version 2 moves that one aside, never over it
+    assert out["abandoned"] == ["iter_0000001", "iter_0000002", "iter_0000002.abandoned", "iter_0000002.damaged",
+                                "latest"]  # fmt: skip
     assert "no intact checkpoint" in out["none_intact"] and "common.pt is truncated" in out["none_intact"]
     assert "learner.load" in out["none_intact"]
-    assert out["after_cut"] == ["iter_0000001", "iter_0000002", "iter_0000003", "latest"]
-    assert "ENOSPC" in out["enospc"] and "learner.save_dir" in out["enospc"]
+    assert out["after_cut"] == ["iter_0000001", "iter_0000002", "iter_0000002.abandoned", "iter_0000002.damaged",
+                                "iter_0000003", "latest"]  # fmt: skip
+    assert "no space left on" in out["enospc"] and "(learner.save_dir)" in out["enospc"]
     assert out["after_enospc"] == out["after_cut"] and out["latest"] == "iter_0000003"
     assert out["latest_after"] == "iter_0000004"
+
+
+def test_a_save_failure_that_names_no_errno_on_a_full_disk_is_named_as_one(tmp_path: Path, monkeypatch) -> None:
+    """torch's zip writer on a full disk says `unexpected pos 704 vs 598`, never ENOSPC: the free space decides."""
+    from megatron_sao.learner import integrity
+
+    where = tmp_path / "ckpt" / "iter_0000008"
+    err = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598")
+    monkeypatch.setattr(integrity, "disk_nearly_full", lambda p: True)
+    assert "no space left on" in integrity.describe_save_error(err, where)
+    assert "(learner.save_dir)" in integrity.describe_save_error(err, where)
+    monkeypatch.setattr(integrity, "disk_nearly_full", lambda p: False)
+    assert integrity.describe_save_error(err, where).startswith(f"writing the checkpoint to {where} failed")
+    chained = RuntimeError("write failed")
+    chained.__cause__ = OSError(errno.ENOSPC, "No space left on device")
+    assert "no space left on" in integrity.describe_save_error(chained, where)
