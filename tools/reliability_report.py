@@ -27,7 +27,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 
 SINGLE_FAULTS = {  # fault -> the tests that inject it (each asserts the named error or the recovery)
-    "checkpoint: flipped bytes, truncated file, damaged common.pt / metadata, a save cut by a full disk":
+    "checkpoint: flipped bytes, truncated file, damaged common.pt / metadata, a save cut by a full disk (named)":
         ["tests/learner/test_checkpoint_integrity.py"],
     "NaN/Inf gradients: skipped, counted, abort after learner.max_nonfinite_updates":
         ["tests/learner/test_nonfinite.py"],
@@ -52,6 +52,23 @@ SINGLE_FAULTS = {  # fault -> the tests that inject it (each asserts the named e
         ["tests/run/test_errors.py"],
     "SIGTERM / SIGINT / STOP file; a leftover engine on the run's ports":
         ["tests/run/test_stop.py"],
+    "two runs (or learners, or workers of one id) in one run dir: the second refused naming the first's pid":
+        ["tests/run/test_dirlock.py"],
+    "newest checkpoint damaged: the run falls back, sets it aside, saves again, retrains the abandoned steps":
+        ["tests/run/test_fallback.py",
+         "tests/bus/test_bus.py::test_a_late_commit_keeps_a_checkpoint_back_so_a_fallback_trains_it_again",
+         "tests/bus/test_staleness.py::test_a_trajectory_from_a_version_the_learner_does_not_hold_is_never_negatively_stale"],
+    "a full disk under the run dir or a log: whole lines, named dir and field, torn last lines repaired":
+        ["tests/files/test_jsonl.py"],
+    "a foreign producer on the bus (CURVE by default): refused, counted, nothing trained":
+        ["tests/run/test_bus_auth.py"],
+    "booleans / inf / nan as numbers; wrong-typed engine fields; config.json vs weights; --help everywhere":
+        ["tests/config/test_config.py::test_a_boolean_or_non_finite_number_is_refused_naming_the_field",
+         "tests/engines/test_engine_hardening.py::test_fields_of_the_wrong_type_get_a_400_naming_the_field",
+         "tests/engines/test_engine_hardening.py::test_max_new_tokens_past_the_context_is_refused_as_sglang_refuses_it",
+         "tests/engines/test_engine_hardening.py::test_a_chunked_body_is_read",
+         "tests/engines/test_engine_hardening.py::test_a_config_json_that_does_not_describe_the_weights_is_named",
+         "tests/test_cli_help.py"],
 }  # fmt: skip
 
 

@@ -110,7 +110,8 @@ def _serve(cfg: Any, args: argparse.Namespace, sender: Any, stop: threading.Even
             "rollout worker %s done: %s; %d finished trajectories not delivered (stopped while the bus was full)",
             args.worker_id, status, sink.dropped,
         )  # fmt: skip
-        sender.flush(timeout_s=5.0 if stop.is_set() else 60.0)
+        if not (stop.is_set() and sender.durable):  # stopping with a spool: what is uncommitted waits in it (the
+            sender.flush(timeout_s=5.0 if stop.is_set() else 60.0)  # learner commits one checkpoint late)
         worker.close()  # what the learner committed during the flush is done in the saved cursor
     finally:
         sender.close()
