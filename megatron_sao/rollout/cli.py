@@ -5,6 +5,7 @@ or the prompts run out (called by cli.py; started by run/local.py, by launch/ as
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import threading
@@ -104,7 +105,8 @@ def _serve(cfg: Any, args: argparse.Namespace, sender: Any, stop: threading.Even
             print(f"error: {e}")
             return 2
         except DiskFull as e:  # what was written is whole; the cursor and the spool stand
-            print(f"error: {e}", flush=True)
+            with contextlib.suppress(OSError):  # the log itself may be on the full disk
+                print(f"error: {e}", flush=True)
             return 2
         logging.getLogger(__name__).info(
             "rollout worker %s done: %s; %d finished trajectories not delivered (stopped while the bus was full)",

@@ -368,13 +368,17 @@ class _Run:
                 "throughput/tokens_per_s": facts["tokens/generated"] / step_s,
                 "throughput/trajectories_per_s": len(batch) / step_s, **metrics, **times}  # fmt: skip
 
-    def log(
-        self, batch: Sequence[Trajectory], record: dict[str, Any], line: str, first_values: dict[str, float]
-    ) -> None:
+    def trained(self, batch: Sequence[Trajectory], metrics: dict[str, Any], first_values: dict[str, float]) -> None:
+        """The step's lines in the trajectory ledger (rank 0): before the checkpoint that covers the step, so a
+        checkpoint never holds a trajectory the ledger lacks (a full disk here stops the run before that save)."""
         if self.rank0:
-            assert self.receiver is not None and self.metrics_log is not None and self.ledger is not None
-            pretrain = self.pretrain.active or "pretrain/samples" in record
+            assert self.ledger is not None
+            pretrain = self.pretrain.active or "pretrain/samples" in metrics
             self.ledger.write(batch, self.learner.version, pretrain, self.pretrain.steps, first_values)
+
+    def log(self, record: dict[str, Any], line: str) -> None:
+        if self.rank0:
+            assert self.receiver is not None and self.metrics_log is not None
             record.update({f"bus/{k}": v for k, v in self.receiver.metrics().items()})
             self.metrics_log.write(record)
             self.display.step(record, line)
@@ -474,9 +478,10 @@ def _learn(cfg: SAOConfig, layout: DistContext, engine_urls: list[str], on_ready
                 metrics["pretrain/critic_steps"] = float(len(critic_steps))
                 run.pretrain.record(len(batch), metrics)
                 metrics.update(run.pretrain.metrics())
+                run.trained(batch, metrics, first_values)
                 times["time/checkpoint"] = run.save(force=run.pretrain.done)
                 times["time/step"] = time.monotonic() - t_wait
-                run.log(batch, run.record(batch, metrics, times), run.pretrain.progress(metrics), first_values)
+                run.log(run.record(batch, metrics, times), run.pretrain.progress(metrics))
                 continue
             pushed: dict[str, Any] = {}
             if engines.deferred and engines.behind:  # grpo_async: version k goes out now that batch k is in
@@ -492,10 +497,11 @@ def _learn(cfg: SAOConfig, layout: DistContext, engine_urls: list[str], on_ready
                 metrics.update(engines.push(reason))
                 times["time/sync"] += time.monotonic() - t0
             metrics = {**run.steps.finish(), **metrics}
+            run.trained(batch, metrics, run.steps.first_values())
             times["time/checkpoint"] = run.save(force=learner.version >= max_steps)
             times["time/step"] = time.monotonic() - t_wait
             record = run.record(batch, metrics, times)
-            run.log(batch, record, _progress(batch, record, max_steps), run.steps.first_values())
+            run.log(record, _progress(batch, record, max_steps))
             if run.evals is not None:
                 run.evals.poll()
         run.save(force=True)
