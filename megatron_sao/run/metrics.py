@@ -6,6 +6,7 @@ schema_table()'s output; tests/run/test_metrics.py checks that runs write every 
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import logging
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_sao.bus.schema import Trajectory
-from megatron_sao.files import JsonlAppender
+from megatron_sao.files import DiskFull, JsonlAppender, is_disk_full, no_space
 
 log = logging.getLogger(__name__)
 
@@ -238,10 +239,14 @@ class MetricsLog:
     def __init__(self, run_dir: Path, tensorboard: bool = True, wandb: str | None = None, config: Any = None) -> None:
         self.file = JsonlAppender(run_dir / "metrics.jsonl", "launch.run_dir")
         self.tb = None
+        self.tb_dir = run_dir / "tensorboard"
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            try:
+                self.tb = SummaryWriter(log_dir=str(self.tb_dir))
+            except OSError as e:
+                raise self._tb_failed(e) from e
         self.wandb = None
         if wandb:
             self.wandb = _start_wandb(run_dir, wandb, config)
@@ -251,16 +256,33 @@ class MetricsLog:
         scalars = {k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
         step = int(record.get("step", 0))
         if self.tb is not None:
-            for k, v in scalars.items():
-                self.tb.add_scalar(k, v, global_step=step, walltime=record.get("time"))
-            self.tb.flush()
+            try:
+                for k, v in scalars.items():
+                    self.tb.add_scalar(k, v, global_step=step, walltime=record.get("time"))
+                self.tb.flush()
+            except OSError as e:
+                raise self._tb_failed(e) from e
         if self.wandb is not None:
             self.wandb.log(scalars, step=step)
+
+    def _tb_failed(self, e: OSError) -> OSError:
+        """TensorBoard's writer thread fails later than the write that filled the disk; the error is named here and
+        the writer dropped (metrics.jsonl stays whole and is the record of truth)."""
+        tb, self.tb = self.tb, None
+        if tb is not None:
+            with contextlib.suppress(OSError):
+                tb.close()
+        if is_disk_full(e):
+            return DiskFull(e.errno, no_space(self.tb_dir.parent, "launch.run_dir", "tensorboard events"))
+        return e
 
     def close(self) -> None:
         self.file.close()
         if self.tb is not None:
-            self.tb.close()
+            try:
+                self.tb.close()
+            except OSError as e:
+                raise self._tb_failed(e) from e
         if self.wandb is not None:
             self.wandb.finish()
 

@@ -145,6 +145,28 @@ def test_wandb_offline_gets_the_records(tmp_path: Path) -> None:
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
 
 
+def test_a_full_disk_under_tensorboard_is_named_and_metrics_stay_whole(tmp_path: Path) -> None:
+    """TensorBoard's writer thread fails on a full disk and re-raises the raw OSError at a later add_scalar (what a
+    run on a full run dir met in CI); the log names the directory and field and drops the writer."""
+    import errno
+
+    from megatron_sao.files import DiskFull
+    from megatron_sao.run.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path, tensorboard=True)
+    log.write({"step": 1, "time": 0.0, "reward/mean": 0.5})
+
+    def full(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    log.tb.add_scalar = full  # type: ignore[union-attr]
+    with pytest.raises(DiskFull, match=f"no space left on {tmp_path} \\(launch.run_dir\\) writing tensorboard"):
+        log.write({"step": 2, "time": 0.0, "reward/mean": 0.6})
+    assert log.tb is None
+    log.close()
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
 def test_docs_show_the_schemas_the_code_has() -> None:
     docs = (REPO / "docs" / "run.md").read_text()
     for record in RECORDS:
