@@ -8,9 +8,13 @@ Per layout (one learner rank per pipeline stage, gloo on CPU), interleaved `--re
             rounds, the per-tensor protocol of SGLang < 0.5.6).
   raw       each stage source broadcasts its stage's bytes as ONE buffer to a bare receiver rank over an update
             group of the same shape (1 source + 1 receiver rank per stage, all stages at once): the transport floor.
-Prints the medians, `overhead ratio X` (push / raw at PP=1, packed path; target <= 1.25), the PP=1 -> PP=2 speed-up
-of the push, and per rank the push's extra memory: the MemoryMeter peak (every buffer the push allocated) against the
-plan's bound (2 buckets + the largest tensor), and the process's RSS high-water growth during one push.
+  raw+copy  the fair CPU floor: the raw broadcast plus one memory copy of the stage's bytes (a push must land them in
+            the model at least once; on a CPU box that pass competes with the transfer for the same cores).
+Prints the medians, `overhead ratio X` (push / raw at PP=1, packed path; target <= 1.25), `fair overhead ratio X`
+(push / (raw + copy)) with the push's control time (choosing the engines, the requests, the engine's commit) shown
+apart, the PP=1 -> PP=2 speed-up of the push, and per rank the push's extra memory: the MemoryMeter peak (every
+buffer the push allocated) against the plan's bound (2 buckets + the largest tensor), and the process's RSS
+high-water growth during one push.
 
 Then (`--part tp2`, or all) the shard-aware path into engines at TP=2: two TP=2 embedded engines, each kept decoding
 by a stream of requests, take the same pushes interleaved -- whole tensors to one (weight_sync.transfer full), each
@@ -86,13 +90,15 @@ def _rank(hf_dir: str, pp: int, url: str, ports: dict[str, int], args: dict[str,
         per_tensor = WeightSync(learner.policy.model, learner.spec, dtype_of, cfg_tensor, [url])
     stage_bytes = sum(b.send_bytes for b in packed.stage.buckets)
     raw_buf = torch.empty(stage_bytes, dtype=torch.uint8) if packed.is_source else None
+    # the fair floor's one memory copy of the stage (what the engine's commit must do at least once)
+    copy_buf = torch.ones(stage_bytes, dtype=torch.uint8) if packed.is_source else None
     raw_group = None
     if packed.is_source:  # the raw floor's group: this source + one bare receiver rank, as a push's group
         Path(f"{args['sizes']}.{packed.stage.stage}").write_text(str(stage_bytes))
         store, port = host_store("127.0.0.1", ports["raw"] + packed.stage.stage, 2, 300.0, tries=1)
         name = f"raw{pp}_{packed.stage.stage}"  # group names are unique per process (the receiver's too)
         raw_group = init_update_group("gloo", "127.0.0.1", port, 2, 0, name, 300.0, store=store)
-    out: dict[str, list[float]] = {"push": [], "raw": [], "per_tensor": []}
+    out: dict[str, list[float]] = {"push": [], "raw": [], "copy": [], "control": [], "per_tensor": []}
     phases: dict[str, list[float]] = {}
     version = 0
     rss_first = 0.0
@@ -118,9 +124,18 @@ def _rank(hf_dir: str, pp: int, url: str, ports: dict[str, int], args: dict[str,
             dist.broadcast(raw_buf, src=0, group=raw_group)
         dist.barrier()
         raw_s = time.monotonic() - t0
+        t0 = time.monotonic()
+        if copy_buf is not None:
+            copy_buf.copy_(raw_buf)
+        dist.barrier()
+        copy_s = time.monotonic() - t0
         if rep:
             out["push"].append(push_s)
             out["raw"].append(raw_s)
+            out["copy"].append(copy_s)
+            # everything but the bytes' transfer: choosing the engines, the requests around it, the engine's commit
+            out["control"].append(sum(metrics.get(f"sync/time_{k}", 0.0) for k in ("plan", "connect", "open",
+                                                                                     "finish")))  # fmt: skip
     if per_tensor is not None:  # apart: two syncs taking turns on one engine would re-form groups at every push
         for rep in range(args["repeats"] + 1):
             version += 1
@@ -149,9 +164,10 @@ def _rank(hf_dir: str, pp: int, url: str, ports: dict[str, int], args: dict[str,
             "buckets": len(packed.stage.buckets), "largest": packed.plan.largest_tensor_bytes}  # fmt: skip
 
 
-def _receiver(ports: dict[str, int], stages: int, rounds: int, sizes: str) -> None:
+def _receiver(ports: dict[str, int], stages: int, rounds: int, sizes: str, tag: str = "") -> None:
     """The raw floor's far end: rank 1 of one 2-rank group per stage (joined one after the other: torch builds
-    process groups one at a time), then receiving each stage's buffer every round, all stages at once."""
+    process groups one at a time), then receiving each stage's buffer every round, all stages at once. (`--part tp2`:
+    one group per engine rank, each receiving that rank's bytes.)"""
     from megatron_sao.distributed.update_group import init_update_group
 
     groups, buffers = {}, {}
@@ -160,7 +176,8 @@ def _receiver(ports: dict[str, int], stages: int, rounds: int, sizes: str) -> No
         while not path.is_file():
             time.sleep(0.05)
         buffers[s] = torch.empty(int(path.read_text()), dtype=torch.uint8)
-        groups[s] = init_update_group("gloo", "127.0.0.1", ports["raw"] + s, 2, 1, f"raw{stages}_{s}", 300.0)
+        groups[s] = init_update_group("gloo", "127.0.0.1", ports["raw"] + s, 2, 1, f"{tag or f'raw{stages}'}_{s}",
+                                      300.0)  # fmt: skip
 
     def run(s: int) -> None:
         for _ in range(rounds):
@@ -204,8 +221,42 @@ def _held_s(url: str) -> float:
     return float(load["boundary_s"]) + float(load["paused_s"])
 
 
+class _RawFloor:
+    """The shard-aware push's fair CPU floor: the bytes each engine rank received in a push, broadcast raw as one
+    buffer per rank over its own 2-rank group (all ranks at once, as the push's block groups), then copied once (the
+    engine's commit must land them in the model at least once)."""
+
+    def __init__(self, rank_bytes: list[int], port: int, sizes: str) -> None:
+        from megatron_sao.distributed.update_group import host_store, init_update_group
+
+        self.buffers = [torch.ones(n, dtype=torch.uint8) for n in rank_bytes]
+        self.copies = [torch.zeros(n, dtype=torch.uint8) for n in rank_bytes]
+        self.groups = []
+        for i, n in enumerate(rank_bytes):
+            Path(f"{sizes}.{i}").write_text(str(n))
+            store, bound = host_store("127.0.0.1", port + i, 2, 300.0, tries=1)
+            self.groups.append(init_update_group("gloo", "127.0.0.1", bound, 2, 0, f"rawtp_{i}", 300.0, store=store))
+
+    def run(self) -> tuple[float, float]:
+        """(raw broadcast s, one copy s)."""
+        import torch.distributed as dist
+
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=dist.broadcast, args=(b, 0, g)) for b, g in zip(self.buffers, self.groups)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        raw_s = time.monotonic() - t0
+        t0 = time.monotonic()
+        for c, b in zip(self.copies, self.buffers):
+            c.copy_(b)
+        return raw_s, time.monotonic() - t0
+
+
 def _tp2_rank(hf_dir: str, urls: dict[str, str], port: int, args: dict[str, Any]) -> dict[str, Any]:
-    """One learner rank: interleaved full and shard-aware pushes into two decoding TP=2 engines."""
+    """One learner rank: interleaved full and shard-aware pushes into two decoding TP=2 engines; after each shard-aware
+    push, its raw floor (_RawFloor)."""
     import torch.distributed as dist
 
     from megatron_sao.config import load_config
@@ -232,7 +283,9 @@ def _tp2_rank(hf_dir: str, urls: dict[str, str], port: int, args: dict[str, Any]
     streams = [_decoding(u, stop) for u in urls.values()]
     time.sleep(2.0)
     out: dict[str, list[float]] = {f"{k}_{m}": [] for k in syncs
-                                   for m in ("s", "tokens", "idle_rate", "rank_mb", "held_s")}  # fmt: skip
+                                   for m in ("s", "tokens", "idle_rate", "rank_mb", "held_s", "control")}  # fmt: skip
+    out.update({"raw_s": [], "copy_s": []})
+    floor: _RawFloor | None = None
     for rep in range(args["repeats"] + 1):  # the first round forms the groups and is dropped
         version = rep + 1
         for key, sync in syncs.items():
@@ -252,9 +305,21 @@ def _tp2_rank(hf_dir: str, urls: dict[str, str], port: int, args: dict[str, Any]
                 out[f"{key}_idle_rate"].append(idle_rate)
                 out[f"{key}_rank_mb"].append(metrics["sync/engine_rank_mb_max"])
                 out[f"{key}_held_s"].append(held)
+                out[f"{key}_control"].append(
+                    sum(metrics.get(f"sync/time_{k}", 0.0) for k in ("plan", "connect", "open", "finish"))
+                )
                 for k, v in metrics.items():
                     if k.startswith("sync/time_"):
                         out.setdefault(f"{key}_{k.removeprefix('sync/')}", []).append(v)
+            if key == "sharded":
+                if floor is None:  # sized by what each engine rank received in this (first) push
+                    sender = sync.sender
+                    assert sender is not None and sender.rank_bytes is not None
+                    floor = _RawFloor(sender.rank_bytes[url], args["raw_port"], args["sizes"])
+                if rep:
+                    raw_s, copy_s = floor.run()
+                    out["raw_s"].append(raw_s)
+                    out["copy_s"].append(copy_s)
     stop.set()
     for t in streams:
         t.join(120)
@@ -297,8 +362,12 @@ def shard_aware(hf_dir: str, work: Path, args: argparse.Namespace, results: dict
         for k, (proc, url) in engines.items():
             _wait_healthy(proc, url, work / f"tp2_{k}.log")
         urls = {k: url for k, (_, url) in engines.items()}
-        opts = {"bucket_mb": args.bucket_mb, "repeats": args.repeats}
+        raw_port, sizes = find_port(), str(work / "tp2_rank_bytes")
+        rx = threading.Thread(target=_receiver, args=({"raw": raw_port}, 2, args.repeats, sizes, "rawtp"), daemon=True)
+        rx.start()
+        opts = {"bucket_mb": args.bucket_mb, "repeats": args.repeats, "raw_port": raw_port, "sizes": sizes}
         (out,) = spawn_ranks(_tp2_rank, 1, hf_dir, urls, find_port(), opts, timeout_s=3000)
+        rx.join(60)
     finally:
         for proc, _ in engines.values():
             proc.kill()
@@ -317,6 +386,13 @@ def shard_aware(hf_dir: str, work: Path, args: argparse.Namespace, results: dict
               zip(out["sharded_tokens"], out["sharded_s"], out["sharded_idle_rate"])]  # fmt: skip
     print(f"bytes per engine rank shard-aware/full {med['sharded_rank_mb'] / med['full_rank_mb']:.2f}")
     print(f"engine stall / push {statistics.median(stalls):.2f} (runs {', '.join(f'{x:.2f}' for x in stalls)})")
+    push, fair = statistics.median(out["sharded_s"]), statistics.median([r + c for r, c in
+                                                                        zip(out["raw_s"], out["copy_s"])])  # fmt: skip
+    control = statistics.median(out["sharded_control"])
+    print(f"fair CPU overhead (shard-aware): push {push:.3f} s / (raw broadcast of each engine rank's bytes "
+          f"{statistics.median(out['raw_s']):.3f} s + one copy {statistics.median(out['copy_s']):.3f} s) "
+          f"{push / fair:.2f}; control (plan, requests, the engine's commit) {control:.3f} s of the push, "
+          f"without it {(push - control) / fair:.2f}")  # fmt: skip
     for key in ("full", "sharded"):  # the engine's own count: no CPU contention in it
         held = [h / s for h, s in zip(out[f"{key}_held_s"], out[f"{key}_s"])]
         print(f"engine-counted stall / push ({key}: commit at the token boundary + paused) "
@@ -388,8 +464,11 @@ def main() -> None:
             results[f"pp{pp}"] = per_rank
             t = per_rank[0]["times"]
             push, raw = statistics.median(t["push"]), statistics.median(t["raw"])
+            fair = statistics.median([r + c for r, c in zip(t["raw"], t["copy"])])
             line = f"PP={pp}: push {push:.3f} s (median; runs {', '.join(f'{x:.3f}' for x in t['push'])}), raw " \
-                   f"broadcast {raw:.3f} s, push/raw {push / raw:.2f}"  # fmt: skip
+                   f"broadcast {raw:.3f} s, push/raw {push / raw:.2f}; raw + one copy of the model {fair:.3f} s, " \
+                   f"push/(raw + copy) {push / fair:.2f}; control (plan, requests, commit) " \
+                   f"{statistics.median(t['control']):.3f} s of the push"  # fmt: skip
             if t["per_tensor"]:
                 line += f"; per-tensor push {statistics.median(t['per_tensor']):.3f} s"
             print(line + f"; with checksum verification {per_rank[0]['verified_s']:.3f} s")
@@ -403,7 +482,12 @@ def main() -> None:
         p1 = statistics.median(results["pp1"][0]["times"]["push"])
         r1 = statistics.median(results["pp1"][0]["times"]["raw"])
         p2 = statistics.median(results["pp2"][0]["times"]["push"])
+        f1 = statistics.median([r + c for r, c in zip(results["pp1"][0]["times"]["raw"],
+                                                      results["pp1"][0]["times"]["copy"])])  # fmt: skip
+        c1 = statistics.median(results["pp1"][0]["times"]["control"])
         print(f"overhead ratio {p1 / r1:.2f}")
+        print(f"fair overhead ratio {p1 / f1:.2f} (push / (raw broadcast + one memory copy of the model)); "
+              f"control {c1:.3f} s of the push's {p1:.3f} s; without it {(p1 - c1) / f1:.2f}")  # fmt: skip
         print(f"speed-up pp1/pp2 {p1 / p2:.2f}")
     finally:
         engine.kill()

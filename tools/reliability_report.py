@@ -59,7 +59,8 @@ SINGLE_FAULTS = {  # fault -> the tests that inject it (each asserts the named e
          "tests/bus/test_bus.py::test_a_late_commit_keeps_a_checkpoint_back_so_a_fallback_trains_it_again",
          "tests/bus/test_staleness.py::test_a_trajectory_from_a_version_the_learner_does_not_hold_is_never_negatively_stale"],
     "a full disk under the run dir or a log: whole lines, named dir and field, torn last lines repaired":
-        ["tests/files/test_jsonl.py", "tests/run/test_full_disk.py"],
+        ["tests/files/test_jsonl.py", "tests/run/test_full_disk.py",
+         "tests/run/test_metrics.py::test_a_full_disk_under_tensorboard_is_named_and_metrics_stay_whole"],
     "a foreign producer on the bus (CURVE by default): refused, counted, nothing trained":
         ["tests/run/test_bus_auth.py"],
     "booleans / inf / nan as numbers; wrong-typed engine fields; config.json vs weights; --help everywhere":
