@@ -122,14 +122,18 @@ def block(tensor: torch.Tensor, box: Box) -> torch.Tensor:
 
 
 def sharded(
-    slots: Sequence[Slot], buffer: torch.Tensor, boxes: Mapping[str, Box | None]
-) -> tuple[torch.Tensor, list[Slot]]:
+    slots: Sequence[Slot], buffer: torch.Tensor, boxes: Mapping[str, Box | None],
+    alloc: Callable[[int, torch.device], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, list[Slot]]:  # fmt: skip
     """One engine rank's sharded bucket from the full bucket (`slots` in `buffer`): each tensor named in `boxes`
-    with a box cut to that block, every other tensor whole; (its buffer, its slots)."""
+    with a box cut to that block, every other tensor whole; (its buffer, its slots). `alloc(nbytes, device)`: where the
+    buffer comes from (a sender reuses the buffers of landed buckets; default: a new one on `buffer`'s device)."""
     parts = [(s, boxes.get(s.name)) for s in slots]
     mine = layout([s.name for s in slots], [s.dtype for s in slots],
                   [s.shape if b is None else tuple(int(n) for n in b[1]) for s, b in parts])  # fmt: skip
-    out = torch.empty(nbytes(mine), dtype=torch.uint8)
+    size = nbytes(mine)
+    alloc = alloc or (lambda n, device: torch.empty(n, dtype=torch.uint8, device=device))
+    out = alloc(size, buffer.device)
     for (s, b), m in zip(parts, mine):
         full = view(buffer, s)
         view(out, m).copy_(full if b is None else block(full, b))

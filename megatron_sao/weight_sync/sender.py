@@ -317,6 +317,11 @@ class StageSender:
         self.meter: Any = None  # the push's gather.MemoryMeter: the engine ranks' buffers count (set by sync.py)
         self.rank_checksums: dict[str, list[dict[str, str]]] | None = None  # url -> per rank {HF name: checksum}
         self.rank_bytes: dict[str, list[int]] = {m.url: [0] * m.tp for m in spec.members}
+        # engine ranks' buffers of landed buckets, by size, for the next ones (a fresh buffer pays its page faults on
+        # first touch, several times the copy into it); at most two buckets' worth is kept
+        self._spare: dict[int, list[torch.Tensor]] = {}
+        self._spare_lock = threading.Lock()
+        self._spare_limit = 0
 
     @property
     def group_name(self) -> str:
@@ -406,6 +411,7 @@ class StageSender:
             works += [self._relay(bucket.index, relay, pair, [held[i] for i in parts])
                       for relay, (pair, parts) in self.links.items()]  # fmt: skip
             sent = sum(t.nbytes for t in held)
+            self._spare_limit = max(self._spare_limit, 2 * sent)
             self.stats["relayed"] += sum(held[i].nbytes for _, parts in self.links.values() for i in parts)
         else:
             tensors = [buffer] if fmt == FLATTENED else [flat_bucket.view(buffer, s) for s in bucket.slots]
@@ -464,7 +470,7 @@ class StageSender:
                 key = tuple(sorted((n, tuple(map(tuple, b))) for n, b in boxes.items()))
                 if key not in made:
                     try:
-                        rank_buffer, slots = flat_bucket.sharded(bucket.slots, buffer, boxes)
+                        rank_buffer, slots = flat_bucket.sharded(bucket.slots, buffer, boxes, self._take)
                     except ValueError as e:
                         raise WeightSyncError(f"engine {m.url} rank {r}: its /weight_shards blocks do not fit the "
                                               f"tensors sent ({e})") from None  # fmt: skip
@@ -481,6 +487,24 @@ class StageSender:
                     held = self.rank_checksums.setdefault(m.url, [{} for _ in range(m.tp)])[r]
                     held.update({n: chk for n, chk in sums.items() if m.compared(r, n)})
         return sends
+
+    def _take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A buffer of `nbytes` on `device` for an engine rank: a landed bucket's of that size, else a new one."""
+        with self._spare_lock:
+            spare = self._spare.get(nbytes)
+            for i, t in enumerate(spare or []):
+                if t.device == device:
+                    return spare.pop(i)  # type: ignore[union-attr]
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def recycle(self, buffers: list[torch.Tensor]) -> None:
+        """Keep landed buckets' engine-rank buffers for the next ones (within the limit; the rest are freed)."""
+        with self._spare_lock:
+            kept = sum(t.nbytes for ts in self._spare.values() for t in ts)
+            for t in buffers:
+                if kept + t.nbytes <= self._spare_limit:
+                    self._spare.setdefault(t.nbytes, []).append(t)
+                    kept += t.nbytes
 
     def send_marker(self, version: int, flush_cache: Mapping[str, bool]) -> dict[str, Any]:
         """The end-of-push marker (an update with no tensors that carries weight_version) to every member, with its
@@ -571,6 +595,8 @@ class _PendingSend:
         buffers, self.buffers = self.buffers, []
         if buffers and self.sender.meter is not None:
             self.sender.meter.give(*buffers)
+        if buffers and not self.sender.broken:
+            self.sender.recycle(buffers)
 
     def publish_landing(self, order: PushOrder) -> None:
         """(Its own thread.) Publish "landed" to the push order the moment the broadcast completed, so the next

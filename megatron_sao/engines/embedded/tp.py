@@ -114,8 +114,11 @@ class LocalShards:
                                                                                 for p in v.placements)
         }  # fmt: skip
         # per part (key, lo, hi): where its held elements sit in this rank's piece, and in the part; computed at
-        # the first push and kept (the placement never changes), so a commit is a gather and a scatter
+        # the first push and kept (the placement never changes), so a commit is a gather and a scatter -- or, where
+        # the positions form a strided block (every placement transformers uses, for whole parameters, experts and
+        # gate/up halves), two strided views and one copy (`_layouts`)
         self._positions: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._layouts: dict[tuple[str, int, int], tuple[Strided | None, Strided | None]] = {}
 
     def __contains__(self, key: str) -> bool:
         return key in self.params
@@ -154,13 +157,27 @@ class LocalShards:
             self._positions[(key, lo, hi)] = at, idx[at] - lo
         return self._positions[(key, lo, hi)]
 
+    def layouts(self, key: str, lo: int, hi: int) -> tuple[Strided | None, Strided | None]:
+        """`positions` as strided views where they are one (None where not): (in the piece, in the part)."""
+        if (key, lo, hi) not in self._layouts:
+            at, rel = self.positions(key, lo, hi)
+            self._layouts[(key, lo, hi)] = strided_layout(at), strided_layout(rel)
+        return self._layouts[(key, lo, hi)]
+
     def write(self, key: str, parts: list[tuple[tuple[int, int], torch.Tensor]]) -> None:
         """Copy each full part (its global [lo, hi) and its values) into the elements of it this rank holds."""
         local = self.local(key).view(-1)
         with torch.no_grad():
             for (lo, hi), values in parts:
                 at, rel = self.positions(key, lo, hi)
-                local[at] = values.reshape(-1).to(local.dtype)[rel]
+                into, take = self.layouts(key, lo, hi)
+                flat = values.reshape(-1)
+                held = take.of(flat) if take is not None else flat[rel]
+                if into is not None:
+                    dst = into.of(local)
+                    dst.copy_(held.reshape(dst.shape))
+                else:
+                    local[at] = held.reshape(-1).to(local.dtype)
 
     def box(self, key: str, view: Callable[[dict[str, torch.Tensor]], torch.Tensor]) -> Box | None:
         """The elements of a contiguous part of the parameter (an on-disk tensor) this rank holds, as a box in the
@@ -190,13 +207,53 @@ class LocalShards:
         with torch.no_grad():
             for (lo, hi), values in parts:
                 at, _ = self.positions(key, lo, hi)
-                local[at] = values.reshape(-1).to(local.dtype)
+                into, _ = self.layouts(key, lo, hi)
+                if into is not None:
+                    dst = into.of(local)
+                    dst.copy_(values.reshape(dst.shape))
+                else:
+                    local[at] = values.reshape(-1).to(local.dtype)
 
     def held(self, key: str, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(global flat indices - lo, values) of the elements of [lo, hi) this rank holds, in its own order."""
         idx = self.index(key)
         sel = (idx >= lo) & (idx < hi)
         return idx[sel] - lo, self.local(key).reshape(-1)[sel]
+
+
+@dataclass(frozen=True)
+class Strided:
+    """Positions in a flat tensor that form a row-major block: `rows` runs of `cols` consecutive elements, `stride`
+    apart, from `offset` (rows 1: one contiguous run)."""
+
+    offset: int
+    rows: int
+    cols: int
+    stride: int
+
+    def of(self, flat: torch.Tensor) -> torch.Tensor:
+        """The view of 1-D `flat` holding these positions, [rows, cols], in their order."""
+        return flat.as_strided((self.rows, self.cols), (self.stride, 1), flat.storage_offset() + self.offset)
+
+
+def strided_layout(idx: torch.Tensor) -> Strided | None:
+    """`idx` (1-D, increasing positions) as a Strided block, or None when it is not one."""
+    n = idx.numel()
+    if n == 0:
+        return None
+    first = int(idx[0])
+    steps = idx[1:] - idx[:-1]
+    breaks = torch.nonzero(steps != 1).view(-1)
+    cols = int(breaks[0]) + 1 if breaks.numel() else n
+    if n % cols:
+        return None
+    rows = n // cols
+    stride = int(idx[cols]) - first if rows > 1 else cols
+    if stride < cols:
+        return None
+    block = Strided(first, rows, cols, stride)
+    expect = first + torch.arange(rows).view(-1, 1) * stride + torch.arange(cols).view(1, -1)
+    return block if torch.equal(expect.view(-1), idx) else None
 
 
 # ---- the channels' wire format: msgpack, tensors as dtype + shape + raw bytes (nothing is unpickled) ----------
