@@ -31,6 +31,10 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 AGENTIC = REPO / "examples" / "tiny_agentic" / "config.yaml"
+PRETRAINING = ("--algo.value.pretrain_batch", "0", "--algo.value.pretrain_plateau_steps", "5",
+               "--algo.value.pretrain_min_explained_variance", "0.3")  # fmt: skip
+"""Value pre-training as the experiments were measured with it (the library's defaults: batches of
+learner.trajectories_per_step), whatever the main job's config chooses; an arm's own overrides come after."""
 STYLE = REPO / "examples" / "tiny_cpu" / "config.yaml"
 RUNS = REPO / "runs" / "experiments"
 RESULTS = REPO / "docs" / "results.md"
@@ -169,7 +173,8 @@ def run_arm(spec: RunSpec, run_dir: Path, log: Any = print) -> Run:
     overrides = [
         "--model.hf_path", str(spec.model), "--launch.run_dir", str(run_dir), "--learner.seed", str(spec.seed),
         "--bus.bind", f"tcp://127.0.0.1:{find_free_port()}", "--weight_sync.master_port", str(find_free_port()),
-        "--rollout.cursor_state", str(run_dir / "cursor.json"), *spec.overrides,
+        "--rollout.cursor_state", str(run_dir / "cursor.json"), *(PRETRAINING if spec.config == AGENTIC else ()),
+        *spec.overrides,
     ]  # fmt: skip
     if spec.env_options:
         overrides += ["--rollout.env.options", json.dumps(spec.env_options)]

@@ -66,14 +66,21 @@ class ValueConfig(Section):
     """Value pre-training before the first policy update: critic-only steps on rollouts of the frozen initial policy,
     until this many new trajectories arrived (paper: 6000), or earlier once the critic is ready (below)."""
 
+    pretrain_batch: int = Field(default=0, ge=0)
+    """New trajectories per pre-training step (0: learner.trajectories_per_step). The new batch is one critic step,
+    so its explained variance -- what the stopping rule reads and the step's record shows -- is measured on all of
+    it: on 16 trajectories it swings by about +-0.1 from batch to batch. The passes over the buffer go in steps of
+    learner.trajectories_per_step."""
+
     pretrain_buffer_batches: int = Field(default=1, ge=1)
-    """Pre-training keeps the newest this-many batches (of learner.trajectories_per_step) to train on again; 1:
-    each batch is trained on when it arrives and then dropped."""
+    """Pre-training keeps the newest this-many batches (of `pretrain_batch`) to train on again; 1: each batch is
+    trained on when it arrives and then dropped."""
 
     pretrain_passes: int = Field(default=1, ge=1)
     """Passes over that buffer per pre-training step. The first pass starts with the new batch (its metrics are
     the critic's error on trajectories it has not seen: what the stopping rule reads), then the older batches; each
-    further pass goes over all of it in a new shuffled order. Every batch of a pass is one critic step (K updates)."""
+    further pass goes over all of it in a new shuffled order, in critic steps (K updates each) of
+    learner.trajectories_per_step trajectories."""
 
     pretrain_plateau_steps: int = Field(default=5, ge=0)
     """Pre-training ends early once the critic is ready, judged over the last this-many steps: their mean explained

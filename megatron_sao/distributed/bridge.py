@@ -2,7 +2,9 @@
 peer), over a two-rank gloo group of its own beside each job's world, built like the weight-update group
 (distributed/update_group.py: a TCP store on the host's address, then a backend group over it).
 
-It carries byte messages in order, each a length then the bytes (uint8 tensors through send/recv). Gloo whatever the
+It carries byte messages in order, each a length then the bytes (uint8 tensors through send/recv). A gloo send
+returns only once the other end posted its receive, so `post` sends without waiting (the message is on its way
+while the caller works on; the next send, or close, waits for it first). Gloo whatever the
 jobs' own backend: what crosses it (trajectories, advantages, metrics, commands) lives in host memory, and a gloo
 socket fails at once when the other process dies instead of hanging a GPU stream. Shared by the policy job and the
 value job of a critic on its own ranks (run/critic.py), the two stages it sits below.
@@ -41,6 +43,7 @@ class Bridge:
     def __init__(self, group: Any, rank: int, name: str) -> None:
         self.group, self.rank, self.name = group, rank, name
         self.other = PEER if rank == HOST else HOST
+        self._posted: list[tuple[Any, torch.Tensor]] = []  # (work, the tensor it sends) of messages not yet received
 
     @classmethod
     def open(cls, address: str, host: bool, timeout_s: float, name: str = "sao_critic_bridge") -> Bridge:
@@ -51,10 +54,24 @@ class Bridge:
         return cls(group, rank, name)
 
     def send(self, payload: bytes) -> None:
-        length = torch.tensor([len(payload)], dtype=torch.int64)
-        dist.send(length, group=self.group, group_dst=self.other)
+        """Returns once the other end received the message (and every one posted before it)."""
+        self.post(payload)
+        self.flush()
+
+    def post(self, payload: bytes) -> None:
+        """Send without waiting for the other end to receive it; messages still arrive in the order sent."""
+        tensors = [torch.tensor([len(payload)], dtype=torch.int64)]
         if payload:
-            dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), group=self.group, group_dst=self.other)
+            tensors.append(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        for t in tensors:  # the tensors stay referenced until their sends completed
+            self._posted.append((dist.isend(t, group=self.group, group_dst=self.other), t))
+
+    def flush(self) -> None:
+        """Wait until the other end received every posted message (fails as a send does)."""
+        while self._posted:
+            work, _ = self._posted[0]
+            work.wait()
+            self._posted.pop(0)
 
     def recv(self) -> bytes:
         length = torch.zeros(1, dtype=torch.int64)
@@ -69,6 +86,11 @@ class Bridge:
         return data.numpy().tobytes()
 
     def close(self) -> None:
+        try:
+            self.flush()
+        except Exception as e:  # the other end is gone: what was posted will never be received
+            log.warning("closing bridge %s with %d sends posted: %r", self.name, len(self._posted), e)
+        self._posted.clear()
         try:
             destroy_update_group(self.group)
         except Exception as e:  # the other end may be gone already; the group is dropped either way

@@ -103,6 +103,14 @@ class Batches:
                     int(m.get("accepted", 0)), int(m.get("rejected", 0)), int(m.get("stale_dropped", 0)),
                 )  # fmt: skip
 
+    def ready(self) -> list[Trajectory] | None:
+        """A batch only if one is complete now: what the bus holds is taken (and held), nothing is waited for."""
+        batch = self._take()
+        if batch is None:
+            self.held += self.receiver.recv_batch(max(self.n - len(self.held), 1), timeout_s=0)
+            batch = self._take()
+        return batch
+
     def _take(self) -> list[Trajectory] | None:
         if self.group_size is None:
             if len(self.held) < self.n:

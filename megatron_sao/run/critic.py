@@ -19,8 +19,13 @@ rank 0s (distributed/bridge.py), one request at a time, replies in order:
     Stop                               ->       exit                                   critic)
 
 So a learner step costs values + max(policy update + push, K critic updates) instead of values + K critic updates +
-policy update. Inside each job, rank 0 shares what crossed the bridge with its other ranks. An error in the value
-job travels back as Failed and is raised in the policy job with the value job's message.
+policy update. With a look-ahead (run/learn.py `Steps`) the policy job sends the next step's batch as soon as it
+has this step's advantages, when a whole batch is already waiting on the bus: the value job starts on it the
+moment its K updates of this step end, so its values are ready when the policy's update ends and a step costs
+max(policy update + push, K critic updates). Two requests are then in flight; the value job still answers them in
+order, and the policy job reads the replies of each in turn. Inside each job, rank 0 shares what crossed the bridge
+with its other ranks. An error in the value job travels back as Failed and is raised in the policy job with the
+value job's message.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -291,11 +297,19 @@ class RemoteCritic:
             print(f"[learner] waiting for the value job on {address}", flush=True)
         self.bridge = Bridge.open(address, host=True, timeout_s=BRIDGE_TIMEOUT_S) if rank0 else None
         self.seq = 0
+        # the submitted Work requests whose Advantages / Done are still to be read, oldest first
+        self._advantages_due: deque[int] = deque()
+        self._done_due: deque[int] = deque()
         self.first_values: dict[str, float] = {}  # of the last step's Done
 
-    def _send(self, msg: Request) -> None:
+    def _send(self, msg: Request, wait: bool = True) -> None:
         if self.bridge is not None:
-            self.bridge.send(_ENCODER.encode(msg))
+            (self.bridge.send if wait else self.bridge.post)(_ENCODER.encode(msg))
+
+    @property
+    def in_flight(self) -> int:
+        """Work requests submitted whose metrics (Done) were not read yet."""
+        return len(self._done_due)
 
     def _expect(self, kind: type, seq: int | None = None) -> Any:
         """Rank 0: the next reply, which must be a `kind` (for request `seq`); the value job's error raised here."""
@@ -331,15 +345,21 @@ class RemoteCritic:
         return int(self._collective(Ready).version)
 
     def submit(self, trajectories: Sequence[Trajectory], version: int, pretrain: bool = False) -> None:
-        """Send a step's batch (rank 0; the others have the same list). Replies: advantages (unless `pretrain`),
-        then metrics."""
+        """Send a step's batch (rank 0; the others have the same list) without waiting for the value job to take
+        it: it may still be training on the one before. Replies, in submission order: advantages (unless
+        `pretrain`), then metrics."""
         self.seq += 1
-        self._send(Work(self.seq, version, pretrain, _encode_batch(trajectories) if self.bridge else []))
+        self._send(Work(self.seq, version, pretrain, _encode_batch(trajectories) if self.bridge else []), wait=False)
+        if not pretrain:
+            self._advantages_due.append(self.seq)
+        self._done_due.append(self.seq)
 
     def advantages(self) -> dict[str, np.ndarray]:
-        """The submitted step's advantages by trajectory id (float32 [T - 1] each), on every rank."""
+        """The oldest submitted step's advantages by trajectory id (float32 [T - 1] each), on every rank."""
+        if not self._advantages_due:
+            raise CriticJobError("advantages asked for with no policy step submitted to the value job")
         by_id: dict[str, np.ndarray] | None = None
-        reply = self._collective(Advantages, self.seq)
+        reply = self._collective(Advantages, self._advantages_due.popleft())
         flat = np.frombuffer(reply.values, dtype="<f4")
         if len(reply.ids) != len(reply.lengths) or sum(reply.lengths) != flat.size:
             raise CriticJobError("the value job's advantages: ids, lengths and values disagree")
@@ -350,13 +370,21 @@ class RemoteCritic:
         return by_id
 
     def metrics(self) -> dict[str, float]:
-        """The submitted step's critic metrics, once its K updates are done."""
-        done = self._collective(Done, self.seq)
+        """The oldest submitted step's critic metrics, once its K updates are done (its advantages read first)."""
+        if not self._done_due:
+            raise CriticJobError("critic metrics asked for with no step submitted to the value job")
+        if self._advantages_due and self._advantages_due[0] == self._done_due[0]:
+            raise CriticJobError(f"the metrics of request {self._done_due[0]} asked for before its advantages")
+        done = self._collective(Done, self._done_due.popleft())
         self.first_values = dict(done.first_values)
         return dict(done.metrics)
 
     def save(self, name: str) -> str:
-        """The value job checkpoints under <save_dir>/value/<name>; its path."""
+        """The value job checkpoints under <save_dir>/value/<name>; its path. Only with no step in flight: the
+        checkpoint must hold the critic of the policy's step."""
+        if self._done_due:
+            raise CriticJobError(f"a checkpoint asked for with {len(self._done_due)} critic step(s) in flight (the "
+                                 "value job would save a critic ahead of the policy)")  # fmt: skip
         self.seq += 1
         self._send(Save(self.seq, name))
         return str(self._collective(Saved, self.seq).path)
@@ -364,6 +392,10 @@ class RemoteCritic:
     def close(self) -> None:
         if self.bridge is not None:
             try:
+                # the replies the value job still owes (a step cut short by an error here): read them, or its
+                # sends would wait for this end forever and it would never take the Stop
+                for _ in range(len(self._advantages_due) + len(self._done_due)):
+                    self.bridge.recv()
                 self._send(Stop())
             except Exception as e:  # the value job may be gone already
                 log.warning("telling the value job to stop: %r", e)

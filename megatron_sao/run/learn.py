@@ -211,11 +211,14 @@ def _progress(batch: Sequence[Trajectory], metrics: dict[str, Any], max_steps: i
 class Steps:
     """The two halves of a step where they run: in this learner (the critic on the same ranks, one after the other),
     or the critic in its own job (run/critic.py), whose K updates run while this job updates the policy and pushes.
-    Collective over the learner."""
+    There, `train(batch, look_ahead)` also hands the value job the next step's batch before the policy update when
+    `look_ahead()` has one ready: the value job starts on it once this step's critic updates end, instead of when
+    the policy job comes back for it. The next step then trains on `ahead`. Collective over the learner."""
 
     def __init__(self, learner: Any, critic: Any = None) -> None:
         self.learner, self.critic = learner, critic  # critic: run.critic.RemoteCritic or None
         self._policy_done = 0.0
+        self.ahead: list[Trajectory] | None = None  # the next step's batch, already with the value job
 
     def critic_only(self, batch: Sequence[Trajectory]) -> dict[str, float]:
         """A value pre-training step: K critic updates, no policy update."""
@@ -224,17 +227,30 @@ class Steps:
         self.critic.submit(batch, self.learner.version, pretrain=True)
         return self.critic.metrics()
 
-    def train(self, batch: Sequence[Trajectory]) -> dict[str, float]:
-        """K critic updates and one policy update (version += 1); returns once the policy is updated."""
+    def train(
+        self, batch: list[Trajectory], look_ahead: Callable[[], list[Trajectory] | None] | None = None
+    ) -> dict[str, float]:
+        """K critic updates and one policy update (version += 1); returns once the policy is updated. `batch` is
+        `ahead` when the last step handed it over already."""
         if self.critic is None:
             return self.learner.train_step(batch)
         t0 = time.monotonic()
-        self.critic.submit(batch, self.learner.version)
+        handed = batch is self.ahead
+        if not handed:
+            if self.ahead is not None:
+                raise RuntimeError("a step trained on another batch than the one already with the value job")
+            self.critic.submit(batch, self.learner.version)
+        self.ahead = None
         advantages = self.critic.advantages()
         t1 = time.monotonic()
+        following = look_ahead() if look_ahead is not None else None
+        if following:  # trained at the version this step makes
+            self.critic.submit(following, self.learner.version + 1)
+            self.ahead = following
         metrics = self.learner.policy_step(batch, advantages)
         self._policy_done = time.monotonic()
-        return {**metrics, "time/critic_wait": t1 - t0, "time/policy": self._policy_done - t1}
+        return {**metrics, "time/critic_wait": t1 - t0, "time/policy": self._policy_done - t1,
+                "step/critic_ahead": float(handed)}  # fmt: skip
 
     def first_values(self) -> dict[str, float]:
         """Rank 0: the critic's value at each trajectory's first action token, of the last critic step."""
@@ -283,12 +299,17 @@ class _Run:
         if self.critic is not None:  # the value job loads the critic of the same step
             self.critic.begin(learner.loaded_from if self.resume is not None else None)
         self.steps = Steps(learner, self.critic)
-        self.pretrain = ValuePretraining(cfg.algo, extra.get("pretrain"), learner.version, cfg.bus, cfg.learner.seed)
+        self.pretrain = ValuePretraining(cfg.algo, extra.get("pretrain"), learner.version, cfg.bus, cfg.learner.seed,
+                                         cfg.learner.trajectories_per_step)  # fmt: skip
         self.run_dir = Path(cfg.launch.run_dir)
         self.save_dir = str(checkpoint_dir(cfg))
         self.receiver = None
+        self.taking_ahead = 0
         if self.rank0:
-            self.receiver = TrajectoryReceiver(cfg.bus, lambda: learner.version, state=extra.get("bus"))
+            # staleness is judged against the version a trajectory will be trained at: one more while the next
+            # step's batch is taken before this step's policy update (look_ahead)
+            self.receiver = TrajectoryReceiver(cfg.bus, lambda: learner.version + self.taking_ahead,
+                                               state=extra.get("bus"))  # fmt: skip
         group = cfg.algo.rollouts_per_prompt if cfg.algo.grouped else None
         n = cfg.learner.trajectories_per_step
         self.batches = Batches(self.receiver, n, group, extra.get("held"), cfg.bus) if self.rank0 else None
@@ -326,6 +347,25 @@ class _Run:
         batch = _share(batch)
         self.stopped = self.stop.agreed()
         return None if self.stopped else batch
+
+    def look_ahead(self) -> list[Trajectory] | None:
+        """Collective, with the critic on its own ranks, between a step's advantages and its policy update: the next
+        step's batch when a whole one is waiting on the bus now (nothing is waited for), so the value job can start
+        on it while the policy updates. None when the next step will not train on it as the value job would have
+        left it: this step ends the run or is checkpointed (the value job would save a critic ahead of the policy),
+        a stop was asked for, or the engines lag the learner (the next batch waits for a push)."""
+        version = self.learner.version
+        ending = version + 1 >= self.cfg.learner.max_steps or (version + 1) % self.cfg.learner.save_interval == 0
+        if self.critic is None or ending or self.stop.agreed() or self.engines.lagging:
+            return None
+        batch = None
+        if self.batches is not None:
+            self.taking_ahead = 1
+            try:
+                batch = self.batches.ready()
+            finally:
+                self.taking_ahead = 0
+        return _share(batch)
 
     def save(self, force: bool = False) -> float:
         """Collective: checkpoint on the interval (policy versions; pre-training steps) or when forced, with the bus,
@@ -462,7 +502,9 @@ def _learn(cfg: SAOConfig, layout: DistContext, engine_urls: list[str], on_ready
             run.evals.start(learner.version)  # the engines hold it (a resumed learner's push above landed)
         while learner.version < max_steps:
             t_wait = time.monotonic()
-            batch = run.next_batch()
+            if run.batches is not None:  # value pre-training takes batches of its own size
+                run.batches.n = run.pretrain.batch if run.pretrain.active else cfg.learner.trajectories_per_step
+            batch = run.steps.ahead or run.next_batch()  # the value job may have this step's batch already
             times = {"time/wait": time.monotonic() - t_wait, "time/sync": 0.0}
             if run.stopped:
                 break
@@ -470,7 +512,8 @@ def _learn(cfg: SAOConfig, layout: DistContext, engine_urls: list[str], on_ready
                 run.log_push(engines.push("resync"))
                 continue
             if run.pretrain.active:  # the critic learns the initial policy's returns; the policy waits
-                critic_steps = run.pretrain.batches(batch)  # the new batch first: its metrics are honest
+                # the new batch first: its metrics are honest
+                critic_steps = run.pretrain.batches(batch, cfg.learner.trajectories_per_step)
                 metrics = run.steps.critic_only(critic_steps[0])
                 first_values = run.steps.first_values()
                 for more in critic_steps[1:]:
@@ -488,7 +531,8 @@ def _learn(cfg: SAOConfig, layout: DistContext, engine_urls: list[str], on_ready
                 t0 = time.monotonic()
                 pushed = engines.push("deferred")
                 times["time/sync"] += time.monotonic() - t0
-            metrics = run.steps.train(batch)  # the critic on its own ranks may still be training: finish() below
+            # the critic on its own ranks may still be training: finish() below
+            metrics = run.steps.train(batch, run.look_ahead)
             run.step_count += 1
             metrics.update(pushed)
             reason = engines.due()  # a skipped step (nothing trainable) leaves the version: nothing to push or save

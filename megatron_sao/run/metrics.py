@@ -50,6 +50,7 @@ WHEN = {
     "skipped": "steps with nothing trainable",
     "eval": "evaluation records (eval.interval > 0): the first version, every eval.interval versions, the last",
     "eval_wait": "a record whose push waited for an evaluation in flight",
+    "separate": "policy steps with learner.value_on_separate_ranks (the critic in a value job of its own)",
 }
 
 SCHEMA: tuple[Metric, ...] = (
@@ -143,6 +144,13 @@ SCHEMA: tuple[Metric, ...] = (
     Metric("time/wait", "step", "waiting for the step's trajectories"),
     Metric("time/critic", "critic", "the K critic updates"),
     Metric("time/policy", "policy", "the policy update"),
+    Metric("time/critic_wait", "separate", "the policy job waiting for the value job's advantages"),
+    Metric("time/critic_tail", "separate", "from the policy update's end to the end of the critic's K updates"),
+    Metric(
+        "step/critic_ahead",
+        "separate",
+        "1 when the step's batch reached the value job during the step before (its values were ready sooner)",
+    ),  # fmt: skip
     Metric("time/sync", "step", "weight pushes in the iteration"),
     Metric("time/checkpoint", "step", "saving a checkpoint in the iteration"),
     Metric("time/eval_wait", "eval_wait", "the push waiting for the evaluation of the weights the engines held"),

@@ -1,10 +1,11 @@
 """Value pre-training: the critic learns the initial policy's returns before the first policy update (SAO, paper:
 6k samples; run/learn.py drives it, on every learner rank alike).
 
-Each step takes a new batch of rollouts of the frozen initial policy (the engines keep the launch weights, nothing
-is pushed) and runs critic-only learner steps (K value updates each, no policy update) over a buffer of the newest
-`algo.value.pretrain_buffer_batches` batches, `pretrain_passes` times: the new batch first, so the step's metrics
-(loss/value_first, value/explained_variance) are the critic's error on trajectories it has not trained on yet.
+Each step takes a new batch of rollouts of the frozen initial policy (`algo.value.pretrain_batch` of them; the
+engines keep the launch weights, nothing is pushed) and runs critic-only learner steps (K value updates each, no
+policy update) over a buffer of the newest `algo.value.pretrain_buffer_batches` batches, `pretrain_passes` times:
+the new batch first and whole, so the step's metrics (loss/value_first, value/explained_variance) are the critic's
+error on all the trajectories it has not trained on yet, then the rest in steps of learner.trajectories_per_step.
 The phase ends when the critic is ready -- over the last `pretrain_plateau_steps` steps the mean explained variance
 reached `pretrain_min_explained_variance` and the mean value loss improved by less than `pretrain_plateau_tol`
 (relative) on the steps before -- or when `pretrain_samples` new trajectories were used. Its progress (trajectories
@@ -31,9 +32,11 @@ EXPLAINED = "value/explained_variance"
 
 class ValuePretraining:
     def __init__(
-        self, algo: AlgoConfig, state: dict[str, Any] | None, version: int, bus: BusConfig | None = None, seed: int = 0
-    ) -> None:
+        self, algo: AlgoConfig, state: dict[str, Any] | None, version: int, bus: BusConfig | None = None, seed: int = 0,
+        step_trajectories: int = 1,
+    ) -> None:  # fmt: skip
         v = algo.value
+        self.batch = v.pretrain_batch or step_trajectories  # new trajectories per step
         self.budget, self.window, self.tol = v.pretrain_samples, v.pretrain_plateau_steps, v.pretrain_plateau_tol
         self.min_ev, self.passes, self.buffer_batches = (v.pretrain_min_explained_variance, v.pretrain_passes,
                                                          v.pretrain_buffer_batches)  # fmt: skip
@@ -54,14 +57,15 @@ class ValuePretraining:
     def active(self) -> bool:
         return not self.done
 
-    def batches(self, fresh: Sequence[Trajectory]) -> list[list[Trajectory]]:
-        """The critic steps of one pre-training step on the new batch `fresh`, in order: `fresh` first, then the
-        older buffered batches, then the further passes over the whole buffer, reshuffled (the same on every
-        rank: seeded by the step). The buffer keeps `fresh` for later steps."""
+    def batches(self, fresh: Sequence[Trajectory], n: int | None = None) -> list[list[Trajectory]]:
+        """The critic steps of one pre-training step on the new batch `fresh`, in order: `fresh` whole first, then
+        the older buffered batches, then the further passes over the whole buffer, reshuffled (the same on every
+        rank: seeded by the step), in steps of `n` trajectories (default: as many as `fresh`). The buffer keeps
+        `fresh` for later steps."""
         self.buffer = [*self.buffer, list(fresh)][-self.buffer_batches :]
         older = [t for b in self.buffer[:-1] for t in b]
         rng = random.Random(self.seed * 1_000_003 + self.steps)
-        n = len(fresh)
+        n = n or len(fresh)
         out = [list(fresh), *_chunks(rng.sample(older, len(older)), n)]
         everything = [t for b in self.buffer for t in b]
         for _ in range(self.passes - 1):

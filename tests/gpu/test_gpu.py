@@ -146,8 +146,10 @@ def _nccl_push(port: int, names: list[str], shapes: list[list[int]]) -> dict[str
 
 
 @needs_cuda
-@pytest.mark.skipif(torch.cuda.device_count() < 2,
-                    reason="an NCCL push between two processes needs two GPUs (NCCL refuses two ranks on one device)")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason="an NCCL push between two processes needs two GPUs (NCCL refuses two ranks on one device)",
+)
 def test_an_nccl_weight_push_between_two_processes_lands_bit_for_bit() -> None:  # fmt: skip
     names = ["layers.0.mlp.experts.gate_up_proj", "layers.0.mlp.router.expert_bias", "layers.0.norm.weight"]
     shapes = [[8, 256, 128], [8], [127]]  # an odd bf16 tensor after the fp32 one: the aligned order handles it

@@ -27,7 +27,7 @@ def _cfg(hf_dir: str, policy_layout: dict, value_layout: dict, policy_ranks: int
     return cfg
 
 
-def _policy_job(hf_dir, trajectories, address, layouts, ranks, save_dir):
+def _policy_job(hf_dir, batches, address, layouts, ranks, save_dir, ahead=False):
     import torch.distributed as dist
 
     from megatron_sao.distributed import init_distributed
@@ -44,15 +44,19 @@ def _policy_job(hf_dir, trajectories, address, layouts, ranks, save_dir):
     critic = RemoteCritic(cfg, address)
     assert critic.begin(None) == 0
     steps = Steps(learner, critic)
-    metrics = steps.train(trajectories)
-    metrics = {**steps.finish(), **metrics}
+    records = []
+    for i, batch in enumerate(batches):  # ahead: each next batch goes to the value job before this policy update
+        following = batches[i + 1] if ahead and i + 1 < len(batches) else None
+        metrics = steps.train(steps.ahead or batch, (lambda b=following: b) if following is not None else None)
+        records.append({**steps.finish(), **metrics})
+    metrics = records[-1]
     saved = None
     if save_dir is not None:
         value_path = critic.save("iter_0000001")
         saved = (value_path, str(save_checkpoint(learner, save_dir, tag="iter_0000001")))
     critic.close()
-    return {"x": {"policy": local_shards(learner.policy.model)}, "metrics": metrics, "saved": saved,
-            "world": dist.get_world_size()}  # fmt: skip
+    return {"x": {"policy": local_shards(learner.policy.model)}, "metrics": metrics, "records": records,
+            "saved": saved, "world": dist.get_world_size()}  # fmt: skip
 
 
 def _value_job(hf_dir, address, layouts, ranks, save_dir):
@@ -72,12 +76,12 @@ def _value_job(hf_dir, address, layouts, ranks, save_dir):
         job.close()
 
 
-def _run_jobs(hf_dir, trajectories, layouts, ranks, save_dir=None):
+def _run_jobs(hf_dir, batches, layouts, ranks, save_dir=None, ahead=False):
     address = f"tcp://127.0.0.1:{find_free_port()}"
     out: dict[str, list[dict]] = {}
 
     def policy() -> None:
-        out["policy"] = spawn_ranks(_policy_job, ranks[0], hf_dir, trajectories, address, layouts, ranks, save_dir,
+        out["policy"] = spawn_ranks(_policy_job, ranks[0], hf_dir, batches, address, layouts, ranks, save_dir, ahead,
                                     timeout_s=400)  # fmt: skip
 
     def value() -> None:
@@ -101,7 +105,7 @@ def test_a_critic_on_its_own_ranks_updates_like_one_learner_holding_both(tiny_hf
         t.header = type(t.header)(**{**_fields(t.header), "reward": [0.0, 1.0, 0.5, 1.0, 0.0, 0.25][i]})
     ref = spawn_ranks(_one_step_per_layout, 1, hf_dir, trajectories, {"single": {}}, "fp32", timeout_s=300)
     save_dir = str(tmp_path / "ckpt")
-    policy, value = _run_jobs(hf_dir, trajectories, ({"tensor": 2}, {}), (2, 1), save_dir)
+    policy, value = _run_jobs(hf_dir, [trajectories], ({"tensor": 2}, {}), (2, 1), save_dir)
     assert policy[0]["world"] == 2 and value[0]["world"] == 1 and value[0]["tp"] == 1
     _compare(_assembled(ref, "single", "policy"), _assembled(policy, "x", "policy"), TOLERANCE)
     _compare(_assembled(ref, "single", "value"), _assembled(value, "x", "value"), TOLERANCE)
@@ -123,10 +127,48 @@ def test_a_value_job_at_tensor_parallel_two_beside_a_one_rank_policy(tiny_hf_dir
     hf_dir = str(tiny_hf_dir("qwen3_moe"))
     trajectories = on_policy(make_batch(6, seed=4), hf_dir)
     ref = spawn_ranks(_one_step_per_layout, 1, hf_dir, trajectories, {"single": {}}, "fp32", timeout_s=300)
-    policy, value = _run_jobs(hf_dir, trajectories, ({}, {"tensor": 2}), (1, 2))
+    policy, value = _run_jobs(hf_dir, [trajectories], ({}, {"tensor": 2}), (1, 2))
     assert value[0]["tp"] == 2
     _compare(_assembled(ref, "single", "policy"), _assembled(policy, "x", "policy"), TOLERANCE)
     _compare(_assembled(ref, "single", "value"), _assembled(value, "x", "value"), TOLERANCE)
+
+
+def _serial_steps(hf_dir: str, batches) -> dict:
+    """One learner holding both models trains on `batches`, a step each (the reference)."""
+    from megatron_sao.distributed import init_distributed
+    from megatron_sao.learner.learner import Learner
+    from megatron_sao.models.shards import local_shards
+
+    cfg = learner_config(hf_dir, {}, 1)
+    init_distributed(cfg.parallel, seed=5)
+    learner = Learner(cfg)
+    learner.load_hf(hf_dir)
+    records = [learner.train_step(b) for b in batches]
+    return {"single": {"policy": local_shards(learner.policy.model), "value": local_shards(learner.value.model)},
+            "records": records}  # fmt: skip
+
+
+@pytest.mark.multiproc
+def test_batches_handed_to_the_value_job_ahead_train_as_one_learner_holding_both(tiny_hf_dir):
+    """Look-ahead (the value job gets step 2's batch before step 1's policy update, as a run does when the next
+    batch is waiting): two steps update every parameter and report the losses of two serial steps."""
+    hf_dir = str(tiny_hf_dir("qwen3_moe"))
+    batches = [on_policy(make_batch(6, seed=s), hf_dir) for s in (3, 7)]
+    for b, rewards in zip(batches, ([0.0, 1.0, 0.5, 1.0, 0.0, 0.25], [1.0, 0.0, 0.0, 0.75, 1.0, 0.5])):
+        for t, r in zip(b, rewards):
+            t.header = type(t.header)(**{**_fields(t.header), "reward": r})
+    for i, t in enumerate(batches[1]):  # ids of their own
+        t.header = type(t.header)(**{**_fields(t.header), "trajectory_id": f"second-{i}"})
+    ref = spawn_ranks(_serial_steps, 1, hf_dir, batches, timeout_s=300)
+    policy, value = _run_jobs(hf_dir, batches, ({}, {}), (1, 1), ahead=True)
+    _compare(_assembled(ref, "single", "policy"), _assembled(policy, "x", "policy"), TOLERANCE)
+    _compare(_assembled(ref, "single", "value"), _assembled(value, "x", "value"), TOLERANCE)
+    got = policy[0]["records"]
+    assert [r["step/critic_ahead"] for r in got] == [0.0, 1.0]
+    for serial, separate in zip(ref[0]["records"], got):
+        for key in ("loss/policy", "loss/value", "loss/value_first", "value/explained_variance", "gae/advantages_mean",
+                    "step/version"):  # fmt: skip
+            assert separate[key] == pytest.approx(serial[key], abs=TOLERANCE, rel=1e-5), key
 
 
 def _fields(header):

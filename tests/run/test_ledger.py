@@ -98,9 +98,18 @@ def test_a_lost_trajectory_whose_prompt_waits_in_the_cursor_is_ok(tmp_path: Path
 def test_a_trajectory_from_a_producer_that_never_started_is_a_violation(tmp_path: Path) -> None:
     """What a process outside the run that got onto the bus would leave: trained, from no worker of the run."""
     _write(tmp_path / "ledger" / "w0.jsonl", [*_sent("a", "0:0", 1), _done("0:0", 1.2)])
-    _write(tmp_path / "trajectories.jsonl", [{"event": "start", "version": 0}, _trained("a", 1),
-                                             _trained("x", 1, worker="intruder"), _trained("y", 2, worker="intruder")])
+    _write(
+        tmp_path / "trajectories.jsonl",
+        [
+            {"event": "start", "version": 0},
+            _trained("a", 1),
+            _trained("x", 1, worker="intruder"),
+            _trained("y", 2, worker="intruder"),
+        ],
+    )
     report = check_ledger(tmp_path)
     assert not report.ok
-    assert report.violations == ["trajectory x was trained from producer 'intruder', which never registered a start "
-                                 "in ledger/<worker>.jsonl: not one of this run's rollout workers"]
+    assert report.violations == [
+        "trajectory x was trained from producer 'intruder', which never registered a start "
+        "in ledger/<worker>.jsonl: not one of this run's rollout workers"
+    ]

@@ -208,7 +208,11 @@ def test_the_agentic_main_job_raises_its_reward_from_a_fresh_model(tmp_path: Pat
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     s = summarize(run_dir)
-    assert s["pretrain_steps"] == 6 and s["policy_steps"] == 60, s
+    # value pre-training in batches of 64: ended by the ready rule (a batch explains >= 0.1) or the budget of 4
+    assert 2 <= s["pretrain_steps"] <= 4 and s["policy_steps"] == 60, s
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last_pretraining = [r for r in records if "pretrain/samples" in r][-1]
+    assert last_pretraining["value/explained_variance"] > 0, last_pretraining  # the critic starts RL explaining some
     assert s["reward_after"] >= s["reward_before"] + 0.15, s
     assert "[run] reward" in done.stdout
     assert_ledger_ok(run_dir)

@@ -44,6 +44,22 @@ def test_each_step_trains_the_new_batch_first_then_passes_over_the_buffer() -> N
     assert pass1 == pass2 == sorted(f"t{i}" for i in range(12, 24))
 
 
+def test_a_larger_pretraining_batch_is_one_critic_step_and_the_passes_go_in_steps_of_the_policys() -> None:
+    cfg = load_config(None, ["--algo.value.pretrain_samples", "1000", "--algo.value.pretrain_batch", "8",
+                             "--algo.value.pretrain_buffer_batches", "2", "--algo.value.pretrain_passes", "2",
+                             "--learner.trajectories_per_step", "4"])  # fmt: skip
+    p = ValuePretraining(cfg.algo, None, version=0, bus=cfg.bus, seed=1, step_trajectories=4)
+    assert p.batch == 8
+    assert ValuePretraining(load_config(None, []).algo, None, 0, step_trajectories=16).batch == 16  # 0: the policy's
+    p.batches(_batch(0, 8))
+    p.record(8, {})
+    ids = _ids(p.batches(_batch(8, 8), 4))
+    assert ids[0] == [f"t{i}" for i in range(8, 16)]  # the new batch whole: its explained variance covers all 8
+    assert [len(b) for b in ids[1:]] == [4] * 6  # the older batch, then a pass over both, in steps of 4
+    assert sorted(sum(ids[1:3], [])) == sorted(f"t{i}" for i in range(8))
+    assert sorted(sum(ids[3:], [])) == sorted(f"t{i}" for i in range(16))
+
+
 def test_one_batch_one_pass_trains_each_batch_once() -> None:
     p = _pretraining()
     for step in range(3):
