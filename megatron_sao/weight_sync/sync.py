@@ -234,13 +234,17 @@ class WeightSync:
         t0 = time.monotonic()
         self.gather.meter = MemoryMeter()
         checksums = self.cfg.verify in ("auto", "checksum") and any(m.protocol.embedded for m in spec.members)
+        sharded = spec.load_format == SHARDED_BUCKET
+        # whole-tensor checksums only where an engine compares them (an embedded engine on one rank, full push):
+        # hashing the model is a pass over every byte on the push's path; a shard-aware push hashes what each rank got
+        whole = checksums and not sharded and any(m.protocol.embedded and m.tp == 1 for m in spec.members)
         samples = (
             set(stage_samples(self.stage.hf_names, self.cfg.verify_tensors)) if self.cfg.verify != "none" else set()
         )
 
         def on_packed(bucket: Bucket, buffer: torch.Tensor) -> None:
             for name, view in hf_views(bucket, buffer):
-                if checksums:
+                if whole:
                     report.checksums[name] = flat_bucket.tensor_checksum(view)
                 if name in samples:
                     report.samples[name] = view[:SAMPLE_ROWS].float().cpu().tolist()
@@ -249,7 +253,6 @@ class WeightSync:
         sender = self.sender
         if sender is not None:
             sender.meter = self.gather.meter
-            sharded = spec.load_format == SHARDED_BUCKET
             sender.rank_checksums = {} if checksums and sharded else None
             sender.rank_bytes = {m.url: [0] * m.tp for m in spec.members}
             if self.order is not None:
