@@ -306,11 +306,6 @@ class RemoteCritic:
         if self.bridge is not None:
             (self.bridge.send if wait else self.bridge.post)(_ENCODER.encode(msg))
 
-    @property
-    def in_flight(self) -> int:
-        """Work requests submitted whose metrics (Done) were not read yet."""
-        return len(self._done_due)
-
     def _expect(self, kind: type, seq: int | None = None) -> Any:
         """Rank 0: the next reply, which must be a `kind` (for request `seq`); the value job's error raised here."""
         assert self.bridge is not None
