@@ -60,6 +60,8 @@ class Bridge:
 
     def post(self, payload: bytes) -> None:
         """Send without waiting for the other end to receive it; messages still arrive in the order sent."""
+        while self._posted and self._posted[0][0].is_completed():  # received: let their buffers go
+            self._posted.pop(0)
         tensors = [torch.tensor([len(payload)], dtype=torch.int64)]
         if payload:
             tensors.append(torch.frombuffer(bytearray(payload), dtype=torch.uint8))

@@ -207,8 +207,10 @@ class ValueJob:
         return _share(msg)
 
     def reply(self, msg: Reply) -> None:
+        """Posted: the value job goes on (to its next update, or to a batch handed over ahead) while the policy job
+        is still busy with its own update and has not come for the reply yet. An error waits until it is received."""
         if self.bridge is not None:
-            self.bridge.send(_ENCODER.encode(msg))
+            (self.bridge.send if isinstance(msg, Failed) else self.bridge.post)(_ENCODER.encode(msg))
 
     def begin(self, msg: Begin) -> None:
         from megatron_sao.learner.checkpoint import load_checkpoint

@@ -171,6 +171,56 @@ def test_batches_handed_to_the_value_job_ahead_train_as_one_learner_holding_both
             assert separate[key] == pytest.approx(serial[key], abs=TOLERANCE, rel=1e-5), key
 
 
+def _stop_before_collecting(hf_dir, batches, address):
+    """The policy job hands step 2's batch over and then sends Stop, a send that returns only once the value job
+    took it, before collecting anything of step 1 but its advantages."""
+    from megatron_sao.distributed import init_distributed
+    from megatron_sao.run.critic import RemoteCritic, Stop
+
+    cfg = _cfg(hf_dir, {}, {}, 1, 1)
+    init_distributed(cfg.parallel, seed=5)
+    critic = RemoteCritic(cfg, address)
+    critic.begin(None)
+    critic.submit(batches[0], 0)
+    first = critic.advantages()
+    critic.submit(batches[1], 1)
+    critic._send(Stop())  # the value job takes it only after training batch 2, with step 1's metrics not collected
+    done = [critic.metrics(), critic.advantages(), critic.metrics()]
+    critic.bridge.close()
+    return {"first": sorted(first), "second": sorted(done[1]), "updates": [done[0]["value/updates"],
+            done[2]["value/updates"]]}  # fmt: skip
+
+
+@pytest.mark.multiproc
+def test_the_value_job_trains_a_batch_handed_over_ahead_before_its_last_replies_are_collected(tiny_hf_dir):
+    """The value job posts its replies: it goes from step 1's updates to step 2's batch while the policy job is still
+    in its own policy update and has not come for step 1's metrics. A reply that waited to be received would hang
+    both jobs here (the value job on step 1's metrics, the policy job on the Stop) until the spawn timeout."""
+    hf_dir = str(tiny_hf_dir("qwen3_moe"))
+    batches = [make_batch(4, seed=s) for s in (3, 7)]
+    for i, t in enumerate(batches[1]):
+        t.header = type(t.header)(**{**_fields(t.header), "trajectory_id": f"second-{i}"})
+    address = f"tcp://127.0.0.1:{find_free_port()}"
+    out: dict[str, list] = {}
+
+    def policy() -> None:
+        out["policy"] = spawn_ranks(_stop_before_collecting, 1, hf_dir, batches, address, timeout_s=240)
+
+    def value() -> None:
+        out["value"] = spawn_ranks(_value_job, 1, hf_dir, address, ({}, {}), (1, 1), None, timeout_s=240)
+
+    threads = [threading.Thread(target=f) for f in (policy, value)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(out) == {"policy", "value"}, "a job failed (see the RankFailure above)"
+    (got,) = out["policy"]
+    assert got["first"] == sorted(t.trajectory_id for t in batches[0])
+    assert got["second"] == sorted(t.trajectory_id for t in batches[1])
+    assert got["updates"] == [2.0, 2.0]
+
+
 def _fields(header):
     import msgspec
 
