@@ -187,7 +187,16 @@ def physics(cfg: Any, plan: Any, arch: Any, gpu: str, engine_gpu: str, mfu: floa
             rest = k * update - (0 if values_fwd else update)
             return waited + max(policy, rest - push / every) + 0.5
 
-        return LearnerModel(step_s, push_s=push, engine_pause_s=stall, push_every=every)
+        def ahead_step_s(arm: str, n: int, tokens: int) -> float:
+            # the value job went from the last batch straight to this one: a step costs the longer of the policy
+            # job's update + push and the value job's values + K updates
+            flops = 2 * counts.active * tokens
+            policy = flops * fwd_bwd / policy_rate
+            update, values = flops * fwd_bwd / value_rate, flops * values_fwd / value_rate
+            return max(policy, values + k * update - push / every) + 0.5
+
+        return LearnerModel(step_s, push_s=push, engine_pause_s=stall, push_every=every,
+                            ahead_step_s=ahead_step_s if separate else None)  # fmt: skip
 
     return engine, learner_at
 
@@ -261,6 +270,10 @@ def project(args: argparse.Namespace) -> int:
         print(f"{arm:<11} {per_step:>8} {r['trajectories_per_hour']:>10,.0f} {r['learner_busy']:>12.2f} "
               f"{r['engine_busy']:>11.2f} {r['staleness_mean']:>10.2f} / {r['staleness_p90']:.0f} / "
               f"{r['staleness_max']:.0f} {r['dropped'] / max(1, r['dropped'] + r['trained']):>8.1%}")  # fmt: skip
+    if plan.value_layout is not None:
+        sao_steps = max(4, args.trajectories // t)
+        print(f"sao steps whose batch the value job took ahead (the next batch waiting): "
+              f"{base_run['sao']['ahead_steps']} of {sao_steps}")  # fmt: skip
     sens = []
     for tail in (1.0, 2.0, 4.0):
         for push in (0.25, 1.0, 4.0):

@@ -113,6 +113,10 @@ class LearnerModel:
     """Seconds each push stops the engines (None: the whole push)."""
     push_every: int = 1
     """Steps between pushes (weight_sync.interval; sao only: the grpo arms wait for each step's weights)."""
+    ahead_step_s: Callable[[Arm, int, int], float] | None = None
+    """sao with the critic on its own ranks: seconds of a step whose batch the value job took ahead (run/learn.py
+    `Steps`: the next batch was already waiting when the last step's advantages came in, so the value job went from
+    batch to batch). None: every step costs `step_s`."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,8 @@ class Result:
     staleness: list[int] = field(default_factory=list)
     gen_s: list[float] = field(default_factory=list)
     """Seconds each trained episode spent in an engine (all its turns)."""
+    ahead_steps: int = 0
+    """Steps whose batch the value job took ahead (`LearnerModel.ahead_step_s`)."""
 
     @property
     def trajectories_per_s(self) -> float:
@@ -163,7 +169,7 @@ class Result:
                 "trained": self.trained, "dropped": self.dropped, "generated_tokens": self.generated_tokens,
                 "staleness_mean": statistics.fmean(st), "staleness_max": max(st),
                 "staleness_p90": sorted(st)[int(0.9 * (len(st) - 1))],
-                "gen_s_mean": statistics.fmean(self.gen_s) if self.gen_s else 0.0,
+                "gen_s_mean": statistics.fmean(self.gen_s) if self.gen_s else 0.0, "ahead_steps": self.ahead_steps,
                 "staleness_histogram": {str(k): st.count(k) for k in range(max(st) + 1)}}  # fmt: skip
 
 
@@ -235,6 +241,7 @@ class _Simulation:
         self.result = Result(sc.arm, 0.0, 0, 0, 0, 0.0, 0.0, sc.engines)
         self.finished: deque[_Request] = deque()
         self.learner_free = True
+        self.handed_ahead = False  # the next step's batch goes to the value job ahead (LearnerModel.ahead_step_s)
         self.generated = 0.0
         self.steps_done = 0
         self.batch_outstanding = 0  # grpo arms: episodes of the batch being generated
@@ -378,7 +385,15 @@ class _Simulation:
         self.learner_free = False
         self.result.staleness += [self.version - r.version for r in batch]
         self.result.gen_s += [r.gen_s for r in batch]
-        took = self.learner.step_s(self.sc.arm, len(batch), sum(r.episode.tokens for r in batch))
+        step_s = self.learner.ahead_step_s if self.handed_ahead else self.learner.step_s
+        self.result.ahead_steps += self.handed_ahead
+        # the run hands the next batch over once this step's advantages are in, when a whole one is waiting and
+        # this is not the last step; judged here at the step's start, which counts a few steps fewer than a run
+        self.handed_ahead = (self.sc.arm == "sao" and self.learner.ahead_step_s is not None
+                             and len(self.finished) >= self.sc.trajectories_per_step
+                             and self.steps_done + 1 < self.sc.steps)  # fmt: skip
+        assert step_s is not None
+        took = step_s(self.sc.arm, len(batch), sum(r.episode.tokens for r in batch))
         self.result.learner_busy_s += took
         self.push("trained", self.now + took, batch)
 

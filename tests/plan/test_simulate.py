@@ -111,3 +111,20 @@ def test_projection_prints_every_arm(tmp_path: Path) -> None:
                           "6", "--parallel.tensor", "2", "--learner.recompute", "none"], cwd=REPO, capture_output=True,
                          text=True, timeout=600)  # fmt: skip
     assert bad.returncode == 1 and "does not fit" in bad.stdout
+
+
+def test_a_critic_taking_batches_ahead_shortens_the_steps_only_while_a_batch_is_waiting() -> None:
+    """The critic on its own ranks (`ahead_step_s`): 16 episodes finish at 1 s, 4 per step. Step 1 starts on the
+    first 4 to finish (nothing else waiting yet) and step 2 costs its full 2 s too; at step 2's start a whole batch
+    waits, so steps 3 and 4 find theirs already with the value job and cost 1 s. With one batch in flight nothing
+    waits (each step ends before the next 4 finish), and every step costs `step_s`."""
+    slow, fast = (lambda arm, n, tokens: 2.0), (lambda arm, n, tokens: 1.0)
+    sc = Scenario("sao", engines=1, concurrency=16, trajectories_per_step=4, steps=4, max_staleness=100)
+    serial = simulate(sc, FLAT, LearnerModel(step_s=slow, push_s=0.0), EpisodeSource(ONE_TURN))
+    ahead = simulate(sc, FLAT, LearnerModel(step_s=slow, push_s=0.0, ahead_step_s=fast), EpisodeSource(ONE_TURN))
+    assert serial.window_s == pytest.approx(1.0 + 4 * 2.0) and serial.ahead_steps == 0
+    assert ahead.window_s == pytest.approx(1.0 + 2 * 2.0 + 2 * 1.0) and ahead.ahead_steps == 2
+    one_batch = Scenario("sao", engines=1, concurrency=4, trajectories_per_step=4, steps=4, max_staleness=100)
+    learner = LearnerModel(step_s=lambda arm, n, tokens: 0.05, push_s=0.0, ahead_step_s=lambda arm, n, tokens: 0.01)
+    r = simulate(one_batch, FLAT, learner, EpisodeSource(ONE_TURN))
+    assert r.ahead_steps == 0 and r.window_s == pytest.approx(4 * 1.0 + 0.05)  # each step ends before the next batch
