@@ -172,12 +172,15 @@ def physics(cfg: Any, plan: Any, arch: Any, gpu: str, engine_gpu: str, mfu: floa
         push = path.push_s * scale if path else 0.0
         stall = path.stall_s * scale if path else 0.0
 
-        def step_s(arm: str, n: int, tokens: int) -> float:
+        def seconds(tokens: int) -> tuple[float, float, float]:
+            """(policy update, one critic update, the critic's values forward) of a step of `tokens`."""
             flops = 2 * counts.active * tokens
-            policy = flops * fwd_bwd / policy_rate
+            return flops * fwd_bwd / policy_rate, flops * fwd_bwd / value_rate, flops * values_fwd / value_rate
+
+        def step_s(arm: str, n: int, tokens: int) -> float:
+            policy, update, values = seconds(tokens)
             if arm != "sao":
                 return policy + 0.5  # + optimizer steps and collectives
-            update, values = flops * fwd_bwd / value_rate, flops * values_fwd / value_rate
             if not separate:
                 return values + k * update + policy + 0.5
             # the policy job waits for the advantages (the values, or the first update that gives them), then
@@ -190,9 +193,7 @@ def physics(cfg: Any, plan: Any, arch: Any, gpu: str, engine_gpu: str, mfu: floa
         def ahead_step_s(arm: str, n: int, tokens: int) -> float:
             # the value job went from the last batch straight to this one: a step costs the longer of the policy
             # job's update + push and the value job's values + K updates
-            flops = 2 * counts.active * tokens
-            policy = flops * fwd_bwd / policy_rate
-            update, values = flops * fwd_bwd / value_rate, flops * values_fwd / value_rate
+            policy, update, values = seconds(tokens)
             return max(policy, values + k * update - push / every) + 0.5
 
         return LearnerModel(step_s, push_s=push, engine_pause_s=stall, push_every=every,

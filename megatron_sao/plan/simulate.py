@@ -385,14 +385,15 @@ class _Simulation:
         self.learner_free = False
         self.result.staleness += [self.version - r.version for r in batch]
         self.result.gen_s += [r.gen_s for r in batch]
-        step_s = self.learner.ahead_step_s if self.handed_ahead else self.learner.step_s
-        self.result.ahead_steps += self.handed_ahead
+        step_s = self.learner.step_s
+        if self.handed_ahead and self.learner.ahead_step_s is not None:
+            step_s = self.learner.ahead_step_s
+            self.result.ahead_steps += 1
         # the run hands the next batch over once this step's advantages are in, when a whole one is waiting and
         # this is not the last step; judged here at the step's start, which counts a few steps fewer than a run
         self.handed_ahead = (self.sc.arm == "sao" and self.learner.ahead_step_s is not None
                              and len(self.finished) >= self.sc.trajectories_per_step
                              and self.steps_done + 1 < self.sc.steps)  # fmt: skip
-        assert step_s is not None
         took = step_s(self.sc.arm, len(batch), sum(r.episode.tokens for r in batch))
         self.result.learner_busy_s += took
         self.push("trained", self.now + took, batch)
