@@ -76,24 +76,27 @@ def _value_job(hf_dir, address, layouts, ranks, save_dir):
         job.close()
 
 
-def _run_jobs(hf_dir, batches, layouts, ranks, save_dir=None, ahead=False):
-    address = f"tcp://127.0.0.1:{find_free_port()}"
+def _both_jobs(policy: tuple, value: tuple, ranks=(1, 1), timeout_s: float = 400):
+    """The policy job `(fn, *args)` and the value job `(fn, *args)` at once, each on its own spawned ranks."""
     out: dict[str, list[dict]] = {}
 
-    def policy() -> None:
-        out["policy"] = spawn_ranks(_policy_job, ranks[0], hf_dir, batches, address, layouts, ranks, save_dir, ahead,
-                                    timeout_s=400)  # fmt: skip
+    def run(role: str, n: int, fn, *args) -> None:
+        out[role] = spawn_ranks(fn, n, *args, timeout_s=timeout_s)
 
-    def value() -> None:
-        out["value"] = spawn_ranks(_value_job, ranks[1], hf_dir, address, layouts, ranks, save_dir, timeout_s=400)
-
-    threads = [threading.Thread(target=f) for f in (policy, value)]
+    threads = [threading.Thread(target=run, args=(role, n, *job)) for role, n, job in (("policy", ranks[0], policy),
+               ("value", ranks[1], value))]  # fmt: skip
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert set(out) == {"policy", "value"}, "a job failed (see the RankFailure above)"
     return out["policy"], out["value"]
+
+
+def _run_jobs(hf_dir, batches, layouts, ranks, save_dir=None, ahead=False):
+    address = f"tcp://127.0.0.1:{find_free_port()}"
+    return _both_jobs((_policy_job, hf_dir, batches, address, layouts, ranks, save_dir, ahead),
+                      (_value_job, hf_dir, address, layouts, ranks, save_dir), ranks)  # fmt: skip
 
 
 @pytest.mark.multiproc
@@ -201,21 +204,8 @@ def test_the_value_job_trains_a_batch_handed_over_ahead_before_its_last_replies_
     for i, t in enumerate(batches[1]):
         t.header = type(t.header)(**{**_fields(t.header), "trajectory_id": f"second-{i}"})
     address = f"tcp://127.0.0.1:{find_free_port()}"
-    out: dict[str, list] = {}
-
-    def policy() -> None:
-        out["policy"] = spawn_ranks(_stop_before_collecting, 1, hf_dir, batches, address, timeout_s=240)
-
-    def value() -> None:
-        out["value"] = spawn_ranks(_value_job, 1, hf_dir, address, ({}, {}), (1, 1), None, timeout_s=240)
-
-    threads = [threading.Thread(target=f) for f in (policy, value)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert set(out) == {"policy", "value"}, "a job failed (see the RankFailure above)"
-    (got,) = out["policy"]
+    (got,), _ = _both_jobs((_stop_before_collecting, hf_dir, batches, address),
+                           (_value_job, hf_dir, address, ({}, {}), (1, 1), None), timeout_s=240)  # fmt: skip
     assert got["first"] == sorted(t.trajectory_id for t in batches[0])
     assert got["second"] == sorted(t.trajectory_id for t in batches[1])
     assert got["updates"] == [2.0, 2.0]
