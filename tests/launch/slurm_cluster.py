@@ -105,7 +105,10 @@ def _stop(pid_file: Path) -> None:
         except ProcessLookupError:
             return
         time.sleep(0.1)
-    os.kill(pid, signal.SIGKILL)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:  # it ended between the last check and here
+        return
 
 
 @contextmanager
