@@ -13,9 +13,12 @@ Sharded buckets (`load_format="sharded_bucket"`, the embedded engine's own): one
 request's order and the same layout rules, only the block (offset, shape) of each tensor that rank holds split, and
 every other tensor whole; `sharded` packs it from the full bucket.
 
-Checksums follow SGLang's `/weights_checker` (srt/utils/weight_checker.py, CPU path of mm_utils.tensor_hash): per
-tensor the first 8 bytes of sha256 over its raw bytes as 16 hex digits, and per GPU a sha256 over the sorted
-(name, tensor checksum) pairs.
+Checksums follow SGLang's `/weights_checker` (srt/utils/weight_checker.py through mm_utils.tensor_hash), which hashes
+a tensor by where it lives: a CPU tensor by the first 8 bytes of sha256 over its raw bytes (`tensor_checksum`), a
+CUDA tensor -- every weight of an engine on GPUs -- by SGLang's own Triton kernel (kernels/ops/memory/
+gpu_tensor_hash.py: tile hashes of 32-bit words finished with splitmix64), ported here integer for integer
+(`gpu_tensor_checksum`; tests/distributed/test_gpu_tensor_hash.py runs the kernel itself under Triton's interpreter
+against the port). Both print as 16 hex digits; per GPU a sha256 over the sorted (name, tensor checksum) pairs.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
 import torch
 
 T = TypeVar("T")
@@ -93,6 +97,75 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
     t = tensor.detach().to("cpu").contiguous()
     digest = hashlib.sha256(memoryview(t.reshape(-1).view(torch.uint8).numpy())).digest()
     return f"{int.from_bytes(digest[:8], byteorder='big', signed=False):016x}"
+
+
+# SGLang's gpu_tensor_hash constants (kernels/ops/memory/gpu_tensor_hash.py, 0.5.23) and its defaults
+_FMIX32_C1, _FMIX32_C2 = np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35)
+_POS_C1, _POS_C2 = np.uint32(0x27D4EB2D), np.uint32(0x165667B1)
+GPU_HASH_SEED = 0x243F6A88
+GPU_HASH_TILE_WORDS = 8192
+_M32, _M64 = (1 << 32) - 1, (1 << 64) - 1
+_CHUNK_TILES = 128  # tiles hashed at once (4 MiB of words): bounds the port's scratch memory
+
+
+def _rotl32(x: np.ndarray, r: int) -> np.ndarray:
+    return (x << np.uint32(r)) | (x >> np.uint32(32 - r))
+
+
+def _fmix32(x: np.ndarray) -> np.ndarray:
+    x = x ^ (x >> np.uint32(16))
+    x = x * _FMIX32_C1
+    x = x ^ (x >> np.uint32(13))
+    x = x * _FMIX32_C2
+    return x ^ (x >> np.uint32(16))
+
+
+def _splitmix64(x: int) -> int:
+    x &= _M64
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _M64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def gpu_tensor_hash(tensor: torch.Tensor, seed: int = GPU_HASH_SEED, tile_words: int = GPU_HASH_TILE_WORDS) -> int:
+    """SGLang's `gpu_tensor_hash` of `tensor`, computed on the CPU: the raw bytes, zero-padded to whole 32-bit words
+    (little-endian); per tile of `tile_words` words two sums (mod 2^32) of fmix32(word ^ position hash), each xored
+    with the padded byte count and mixed again into one 64-bit tile hash; the tile hashes summed mod 2^64 and
+    finished with splitmix64. Every step is integer arithmetic, so the value is the kernel's bit for bit."""
+    raw = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    pad = (4 - raw.size % 4) % 4
+    if pad:
+        raw = np.concatenate([raw, np.zeros(pad, dtype=np.uint8)])
+    words = raw.view("<u4")
+    n = words.size
+    if n == 0:
+        return 0
+    s1 = np.uint32(seed & _M32)
+    s2 = np.uint32(((seed * 0x9E3779B1) ^ 0xDEADBEEF) & _M32)
+    nbytes = np.uint32((n * 4) & _M32)
+    total = 0
+    step = tile_words * _CHUNK_TILES
+    for start in range(0, n, step):
+        v = words[start : start + step]
+        idx = np.arange(start, start + v.size, dtype=np.uint64).astype(np.uint32)
+        k1 = _fmix32(v ^ ((idx * _POS_C1 + s1) ^ _rotl32(idx, 15)))
+        k2 = _fmix32(v ^ ((idx * _POS_C2 + s2) ^ _rotl32(idx, 13)))
+        tiles = -(-v.size // tile_words)
+        sums = []
+        for k in (k1, k2):  # the masked tail of the last tile adds zeros
+            full = np.zeros(tiles * tile_words, dtype=np.uint32)
+            full[: k.size] = k
+            sums.append((full.reshape(tiles, tile_words).sum(axis=1, dtype=np.uint64) & _M32).astype(np.uint32))
+        h1, h2 = (_fmix32(h ^ nbytes).astype(np.uint64) for h in sums)
+        total += int(((h1 << np.uint64(32)) | h2).sum(dtype=np.uint64))
+    return _splitmix64(total)
+
+
+def gpu_tensor_checksum(tensor: torch.Tensor) -> str:
+    """SGLang's per-tensor checksum of a tensor held on a CUDA device (`gpu_tensor_hash` as 16 hex digits)."""
+    return f"{gpu_tensor_hash(tensor):016x}"
 
 
 def overall_checksum(checksums: Mapping[str, str]) -> str:

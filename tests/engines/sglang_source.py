@@ -14,9 +14,13 @@ import functools
 import os
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+
+import torch
 
 PINNED = "0.5.23"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "megatron-sao" / "wheels"
@@ -110,3 +114,53 @@ def tensor_bucket_module() -> ModuleType:
     sys.modules[module.__name__] = module  # dataclasses look their module up there
     exec(compile(text, "sglang/srt/weight_sync/tensor_bucket.py", "exec"), module.__dict__)
     return module
+
+
+TRITON = "3.9.0"
+"""The Triton release SGLang's kernels are run with under Triton's interpreter (CPU tensors, no GPU)."""
+
+
+@functools.cache
+def triton_path(version: str = TRITON) -> Path:
+    """A folder holding `triton` alone (`pip install --target`, once per machine, ~8 s), put on the path of the
+    subprocess that runs a kernel, never into the test environment: megatron-core imports triton when it can, and
+    every process of the suite would pay its import. SAO_TRITON_PATH=<folder> points at one already there."""
+    given = os.environ.get("SAO_TRITON_PATH")
+    if given:
+        return Path(given)
+    target = CACHE.parent / f"triton-{version}"
+    if not (target / "triton" / "__init__.py").exists():
+        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target),
+               f"triton=={version}"]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        if not (target / "triton" / "__init__.py").exists():
+            raise RuntimeError(f"could not install triton {version} ({' '.join(cmd)}):\n{done.stderr[-2000:]}"
+                               "\nset SAO_TRITON_PATH to a folder holding triton")  # fmt: skip
+    return target
+
+
+def run_kernel(path: str, call: str, inputs: dict[str, Any], lift: tuple[str, ...] = ()) -> Any:
+    """Run SGLang's Triton kernel module `sglang/<path>` under Triton's interpreter in a subprocess, on CPU tensors:
+    `call` is an expression over the module's names and `x` (each value of `inputs` in turn, passed by torch.save);
+    `lift`: lines of the module removed first (asserts that the tensors are on CUDA). {key: result}."""
+    text = source(path)
+    for line in lift:
+        if line not in text:
+            raise KeyError(f"sglang/{path} no longer holds {line!r}: update the test")
+        text = text.replace(line, "pass")
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.save({"text": text, "inputs": inputs, "call": call, "path": path}, f"{tmp}/job.pt")
+        script = (
+            "import sys, torch\n"
+            f"job = torch.load({tmp + '/job.pt'!r}, weights_only=False)\n"
+            "ns = {'__name__': 'sglang_kernel'}\n"
+            "exec(compile(job['text'], 'sglang/' + job['path'], 'exec'), ns)\n"
+            "out = {k: eval(job['call'], dict(ns, x=x)) for k, x in job['inputs'].items()}\n"
+            f"torch.save(out, {tmp + '/out.pt'!r})\n"
+        )
+        env = dict(os.environ, TRITON_INTERPRET="1",
+                   PYTHONPATH=os.pathsep.join([str(triton_path()), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"sglang/{path} under Triton's interpreter failed:\n{done.stderr[-3000:]}")
+        return torch.load(f"{tmp}/out.pt", weights_only=False)
