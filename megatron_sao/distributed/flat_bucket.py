@@ -168,6 +168,12 @@ def gpu_tensor_checksum(tensor: torch.Tensor) -> str:
     return f"{gpu_tensor_hash(tensor):016x}"
 
 
+def sglang_checksums(tensor: torch.Tensor) -> dict[str, str]:
+    """The checksum an SGLang engine shows for `tensor` by where it holds its weights: {"cpu": sha256, "cuda":
+    gpu_tensor_hash} (engines/protocol.checksum_device says which an engine uses)."""
+    return {"cpu": tensor_checksum(tensor), "cuda": gpu_tensor_checksum(tensor)}
+
+
 def overall_checksum(checksums: Mapping[str, str]) -> str:
     """SGLang's per-GPU checksum over {name: tensor checksum}."""
     h = hashlib.sha256()

@@ -239,6 +239,20 @@ EMBEDDED_ENGINE = "megatron_sao.embedded"
 """/server_info's "engine" of the embedded CPU engine (it also reports the SGLang version whose rules it follows)."""
 
 
+def checksum_device(info: dict[str, Any]) -> str:
+    """Which of SGLang's two tensor hashes an engine's /weights_checker applies to its weights (srt/managers/
+    mm_utils.tensor_hash): "cuda" -- its Triton gpu_tensor_hash (distributed/flat_bucket.gpu_tensor_checksum) -- for
+    weights on a CUDA device, "cpu" -- sha256 (flat_bucket.tensor_checksum) -- for weights on the CPU. From
+    /server_info's `device` (SGLang's --device; unset means its auto-detection, a GPU on any machine that serves
+    it); the embedded engine holds its weights on the CPU unless it says otherwise."""
+    device = info.get("device") if isinstance(info, dict) else None
+    if isinstance(device, dict):  # a release that nests its server-argument namespaces
+        device = device.get("device")
+    if isinstance(device, str) and device:
+        return "cuda" if device.split(":")[0] == "cuda" else "cpu"
+    return "cpu" if isinstance(info, dict) and info.get("engine") == EMBEDDED_ENGINE else "cuda"
+
+
 def parse_version(version: str) -> tuple[int, int, int]:
     """'0.5.23' / '0.5.6.post2' / '0.5.24rc1' / '0.5.24.dev3+gabc' -> (0, 5, 23) ...; ValueError otherwise."""
     parts = []

@@ -29,7 +29,7 @@ import torch
 
 from megatron_sao.config.weight_sync import WeightSyncConfig
 from megatron_sao.engines.client import EngineError, SGLangClient
-from megatron_sao.engines.protocol import SHARDED_BUCKET, ServerProtocol
+from megatron_sao.engines.protocol import SHARDED_BUCKET, ServerProtocol, checksum_device
 from megatron_sao.weight_sync.sender import (
     FLATTENED,
     Boxes,
@@ -67,7 +67,8 @@ class StageReport:
     peak_bytes: int = 0
     checksums: dict[str, str] = field(default_factory=dict)  # HF name -> SGLang checksum of what was sent
     samples: dict[str, list] = field(default_factory=dict)  # HF name -> its first rows as sent (floats)
-    sample_checksums: dict[str, str] = field(default_factory=dict)  # the same tensors' checksums as sent
+    sample_checksums: dict[str, dict[str, str]] = field(default_factory=dict)  # the same tensors' checksums as sent,
+    # both of SGLang's kinds: {"cpu": sha256, "cuda": gpu_tensor_hash} (flat_bucket.sglang_checksums)
     rank_bytes: dict[str, list[int]] = field(default_factory=dict)  # url -> bytes sent to each of its ranks
     rank_checksums: dict[str, list[dict[str, str]]] = field(default_factory=dict)  # shard-aware: url -> per rank
     # {HF name: checksum of what that rank was sent}, for the tensors it hashes as sent
@@ -83,10 +84,13 @@ class EngineSet:
         self.cfg, self.backend, self.num_stages, self.updates = cfg, backend, num_stages, updates
         self.clients = {u: SGLangClient(u, timeout_s=CONTROL_TIMEOUT_S) for u in urls}
         self.spec: GroupSpec | None = None  # the groups formed now; None: form them at the next push
+        self.formed: GroupSpec | None = None  # the groups the engines may still hold (destroyed before new ones)
         self.attempt = 0
         self.quarantined: set[str] = set()  # paused because they hold a partial push
         self.held: dict[str, int] = {}  # the version each engine got from the last push that landed on it
-        self._unverifiable: set[tuple[str, str]] = set()  # (url, tensor) shown neither way
+        self._unverifiable: set[tuple[str, str]] = set()  # (url, tensor) shown neither way (logged once)
+        self.unverified: list[tuple[str, str]] = []  # the last push's (url, sample) an engine showed neither way
+        self.devices: dict[str, str] = {}  # url -> where it holds its weights: which hash its checksums use
 
     # ---- membership ---------------------------------------------------------------------------------------------
     def healthy(self) -> list[str]:
@@ -139,6 +143,7 @@ class EngineSet:
             log.error("weight sync: engine %s left out of the push: %s", url, e)
         if not members:
             raise WeightSyncError(f"no engine can take a weight push: {describe(refused)}")
+        self.release(healthy)
         spec = GroupSpec(
             members=tuple(members), attempt=self.attempt, num_stages=self.num_stages, group_name=self.cfg.group_name,
             master_port=self.cfg.master_port, master_addr=self.cfg.master_addr, backend=self.backend,
@@ -146,8 +151,20 @@ class EngineSet:
             bucket_timeout_s=self.cfg.bucket_timeout_s, group_timeout_s=self.cfg.group_timeout_s,
         )  # fmt: skip
         self.attempt += 1
-        self.spec = spec
+        self.spec = self.formed = spec
         return spec, True
+
+    def release(self, reachable: list[str] | None = None) -> None:
+        """Destroy the update groups formed for an earlier push on every engine of it that still answers: SGLang
+        frees an update group (its NCCL communicators on every engine GPU) only on /destroy_weights_update_group,
+        so groups formed again after a membership change or a failed push would otherwise pile up on the engines
+        that stay. An engine that died or restarted holds none (its answer is ignored)."""
+        old, self.formed = self.formed, None
+        if old is None:
+            return
+        names = [old.name(s) for s in range(old.num_stages)]
+        stay = [self.clients[m.url] for m in old.members if reachable is None or m.url in reachable]
+        self._each(stay, lambda c: [_quietly(c.destroy_weights_update_group, n) for n in names], timeout_s=60.0)
 
     def _describe(self, url: str) -> tuple[ServerProtocol, int]:
         """An engine's protocol and TP size; WeightSyncError naming what makes it unusable."""
@@ -156,6 +173,7 @@ class EngineSet:
             proto = ServerProtocol.from_server_info(info, url)
         except ValueError as e:
             raise WeightSyncError(str(e)) from None
+        self.devices[url] = checksum_device(info)
         if "tp_size" not in info:
             raise WeightSyncError(f"engine {url}: /server_info has no tp_size; cannot give it its update-group ranks")
         dp = int(info.get("dp_size") or 1)
@@ -271,25 +289,21 @@ class EngineSet:
 
     def abandon(self, spec: GroupSpec, reason: str, touched: set[str]) -> None:
         """A stage failed: every engine drops the groups and its session; see the module docstring."""
-        clients = [self.clients[m.url] for m in spec.members]
-        names = [spec.name(s) for s in range(spec.num_stages)]
-        self._each(clients, lambda c: [_quietly(c.destroy_weights_update_group, n) for n in names], timeout_s=60.0)
+        self.formed = spec
+        self.release()
         self._each([self.clients[m.url] for m in spec.members if m.protocol.session],
                    lambda c: _quietly(c.end_weight_update), timeout_s=600.0)  # fmt: skip
         self.conclude(spec, {m.url: reason for m in spec.members}, touched)
 
     def close(self) -> None:
-        if self.spec is None:
-            return
-        names = [self.spec.name(s) for s in range(self.spec.num_stages)]
-        clients = [self.clients[m.url] for m in self.spec.members]
-        self._each(clients, lambda c: [_quietly(c.destroy_weights_update_group, n) for n in names], timeout_s=30.0)
+        self.release()
         self.spec = None
 
     # ---- verification -------------------------------------------------------------------------------------------
     def _verify(self, spec: GroupSpec, reports: list[StageReport], tied: bool, skip: set[str]) -> dict[str, str]:
         """{url: what differs} for engines whose weights are not what was sent (weight_sync.verify)."""
         mode = self.cfg.verify
+        self.unverified = []
         if mode == "none":
             return {}
         sent = {k: v for r in reports for k, v in r.checksums.items()}
@@ -320,11 +334,14 @@ class EngineSet:
         return {u: (repr(v) if isinstance(v, BaseException) else v) for u, v in results.items() if v}
 
     def _compare_samples(self, client: SGLangClient, member: Member,
-                         samples: list[tuple[int, str, list, str | None]]) -> str | None:  # fmt: skip
+                         samples: list[tuple[int, str, list, dict[str, str] | None]]) -> str | None:  # fmt: skip
         """Check every stage's samples on one engine: by checksum on each of its ranks where /weights_checker
-        shows the tensor (SGLang >= 0.5.6), else by its first rows (/get_weights_by_name, which SGLang serves only
-        for some model classes). A sample the engine can show neither way is logged once as unverified."""
+        shows the tensor (SGLang >= 0.5.6; the hash SGLang applies where the engine holds its weights: its Triton
+        kernel's on a GPU), else by its first rows (/get_weights_by_name, which SGLang serves only for some model
+        classes, not Qwen3-MoE or GLM). A sample the engine can show neither way -- no checker row for it and no
+        rows -- is unverified: counted (sync/unverified), logged once, never a reason to take the engine out."""
         url = member.url
+        device = self.devices.get(url) or ("cpu" if member.protocol.embedded else "cuda")
         held: list[dict[str, str]] = []
         if member.protocol.weights_checker:
             names = [name for _, name, _, _ in samples]
@@ -333,7 +350,8 @@ class EngineSet:
                 held = [r.get("checksums", {}) for r in client.weights_checksum(skip).get("ranks", [])]
             except (EngineError, OSError, AttributeError) as e:
                 log.warning("weight sync: %s /weights_checker failed (%s); checking rows instead", url, e)
-        for stage, name, rows, checksum in samples:
+        for stage, name, rows, sums in samples:
+            checksum = None if sums is None else sums.get(device)
             ranks = [i for i, h in enumerate(held) if name in h]
             wrong: list[int] = []
             if ranks and checksum is not None:
@@ -350,6 +368,7 @@ class EngineSet:
             if got is None:
                 if wrong:
                     return f"stage {stage}: {name} differs from what was sent on engine rank(s) {wrong}"
+                self.unverified.append((url, name))  # (list.append: safe from the verifying threads)
                 if (url, name) not in self._unverifiable:
                     log.warning("weight sync: %s shows stage %d's %s neither by checksum nor by rows (%s); that "
                                 "stage's part of its pushes is not verified", url, stage, name, why)  # fmt: skip

@@ -248,7 +248,7 @@ class WeightSync:
                     report.checksums[name] = flat_bucket.tensor_checksum(view)
                 if name in samples:
                     report.samples[name] = view[:SAMPLE_ROWS].float().cpu().tolist()
-                    report.sample_checksums[name] = flat_bucket.tensor_checksum(view)
+                    report.sample_checksums[name] = flat_bucket.sglang_checksums(view)
 
         sender = self.sender
         if sender is not None:
@@ -312,6 +312,7 @@ class WeightSync:
             "sync/stages": float(len(reports)),
             "sync/engines": float(len(spec.members) - len(bad)),
             "sync/failed_engines": float(len(bad)),
+            "sync/unverified": float(len(self.engines.unverified)),
             "sync/quarantined": float(len(self.engines.quarantined)),
             "sync/buckets": float(sum(r.buckets for r in reports)),
             "sync/tensors": float(sum(r.tensors for r in reports)),

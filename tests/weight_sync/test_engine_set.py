@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from megatron_sao.config.weight_sync import WeightSyncConfig
-from megatron_sao.engines.client import SGLangClient
-from megatron_sao.engines.protocol import EMBEDDED_ENGINE, ServerProtocol
+from megatron_sao.engines.client import EngineError, SGLangClient
+from megatron_sao.engines.protocol import EMBEDDED_ENGINE, ServerProtocol, checksum_device
 from megatron_sao.weight_sync.engines import EngineSet
 from megatron_sao.weight_sync.sender import GroupSpec, Member, WeightSyncError
 
@@ -131,15 +131,19 @@ class CheckingEngine(FakeEngine):
         return self.rows.get(name)  # SGLang answers null for a model class that cannot show it
 
 
+def _sums(gpu: str) -> dict[str, str]:
+    return {"cpu": f"sha-{gpu}", "cuda": gpu}  # a sample's two checksums as sent (flat_bucket.sglang_checksums)
+
+
 def _reports() -> list[Any]:
     from megatron_sao.weight_sync.engines import StageReport
 
     first = StageReport(0, samples={"model.layers.0.input_layernorm.weight": [1.0, 2.0]},
-                        sample_checksums={"model.layers.0.input_layernorm.weight": "aa"})  # fmt: skip
+                        sample_checksums={"model.layers.0.input_layernorm.weight": _sums("aa")})  # fmt: skip
     last = StageReport(
         1,
         samples={"model.norm.weight": [3.0], "model.layers.2.input_layernorm.weight": [4.0]},
-        sample_checksums={"model.norm.weight": "cc", "model.layers.2.input_layernorm.weight": "dd"},
+        sample_checksums={"model.norm.weight": _sums("cc"), "model.layers.2.input_layernorm.weight": _sums("dd")},
     )
     return [first, last]
 
@@ -166,6 +170,52 @@ def test_every_stage_is_verified_on_every_engine_rank_before_a_version_is_live()
     engines.clients[URLS[0]].rows["model.layers.0.input_layernorm.weight"] = [1.0, 2.5]
     bad = engines._verify(old, _reports(), tied=False, skip=set())
     assert list(bad) == [URLS[0]] and "stage 0" in bad[URLS[0]]
+
+
+def test_sglang_on_gpus_is_checked_with_its_own_kernel_hash_and_on_cpu_with_sha256() -> None:
+    """SGLang hashes CUDA tensors with gpu_tensor_hash, CPU tensors with sha256: a Qwen3-MoE engine on GPUs (no
+    /get_weights_by_name rows) whose checker shows the kernel hash of what was sent is live; the sha256 of the same
+    tensor on such an engine is a real difference. /server_info's device says which."""
+    import torch
+
+    from megatron_sao.distributed import flat_bucket
+    from megatron_sao.weight_sync.engines import StageReport
+
+    norm = torch.linspace(0.5, 1.5, 64, dtype=torch.bfloat16)
+    sums = flat_bucket.sglang_checksums(norm)
+    assert sums["cuda"] == flat_bucket.gpu_tensor_checksum(norm) != sums["cpu"] == flat_bucket.tensor_checksum(norm)
+    reports = [StageReport(0, samples={"model.norm.weight": norm[:8].float().tolist()},
+                           sample_checksums={"model.norm.weight": sums})]  # fmt: skip
+    engines = _engines(verify="auto")
+    engines.clients = {u: CheckingEngine(u) for u in URLS}
+    gpu, cpu = engines.clients.values()
+    cpu.server_info = lambda: {**FakeEngine.server_info(cpu), "device": "cpu"}  # type: ignore[method-assign]
+    for url in URLS:
+        engines._describe(url)
+    assert engines.devices == {URLS[0]: "cuda", URLS[1]: "cpu"}  # no device given: SGLang's auto-detection, a GPU
+    assert checksum_device({"device": "cuda:1"}) == "cuda" and checksum_device({"engine": EMBEDDED_ENGINE}) == "cpu"
+    gpu.ranks = [{"model.norm.weight": sums["cuda"]}] * 2
+    cpu.ranks = [{"model.norm.weight": sums["cpu"]}] * 2
+    spec = _spec(ServerProtocol("0.5.23"))
+    assert engines._verify(spec, reports, tied=False, skip=set()) == {} and engines.unverified == []
+    gpu.ranks = [{"model.norm.weight": sums["cpu"]}] * 2  # what the sha256 comparison sent before
+    bad = engines._verify(spec, reports, tied=False, skip=set())
+    assert list(bad) == [URLS[0]] and "rank(s) [0, 1]" in bad[URLS[0]]
+
+
+def test_a_sample_no_engine_can_show_is_unverified_counted_and_not_a_bad_engine() -> None:
+    engines = _engines(verify="auto")
+    engines.clients = {u: CheckingEngine(u) for u in URLS}  # checker rows for nothing, no /get_weights_by_name rows
+    spec = _spec(ServerProtocol("0.5.23"))
+    assert engines._verify(spec, _reports(), tied=False, skip=set()) == {}
+    assert len(engines.unverified) == 2 * 3  # every sample of both stages on both engines
+    for client in engines.clients.values():
+        client.weights_checksum = lambda skip_tensor_list=None: {"success": True, "ranks": []}  # type: ignore
+    assert engines._verify(spec, _reports(), tied=False, skip=set()) == {} and len(engines.unverified) == 6
+    for client in engines.clients.values():
+        client.rows = {"model.layers.0.input_layernorm.weight": [1.0, 2.0], "model.norm.weight": [3.0],
+                       "model.layers.2.input_layernorm.weight": [4.0]}  # fmt: skip
+    assert engines._verify(spec, _reports(), tied=False, skip=set()) == {} and engines.unverified == []
 
 
 def test_each_stage_samples_its_first_norm_beside_the_configured_tensors() -> None:
@@ -248,3 +298,64 @@ def test_engine_ranks_that_hold_the_same_blocks_share_one_block_group() -> None:
 def test_a_sharded_transfer_cannot_go_one_tensor_per_broadcast() -> None:
     with pytest.raises(ValueError, match=r"transfer='sharded'.*load_format='per_tensor'"):
         WeightSyncConfig(transfer="sharded", load_format="per_tensor")
+
+
+class GroupHoldingEngine(ShardedEngine):
+    """An SGLang engine at TP=1 that holds update groups as SGLang does: joined ones stay until destroyed by name
+    (SGLang frees a group's communicators only on /destroy_weights_update_group); restarting empties it."""
+
+    tp = 1
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.groups: set[str] = set()
+        self.alive = True
+
+    def health(self, timeout_s: float = 5.0) -> bool:
+        return self.alive
+
+    def destroy_weights_update_group(self, group_name: str) -> Any:
+        if group_name not in self.groups:
+            raise EngineError("The group to be destroyed does not exist.")
+        self.groups.discard(group_name)
+        return self._ok("destroy")
+
+
+def test_update_groups_of_an_earlier_membership_are_destroyed_on_the_engines_that_stay() -> None:
+    """Three membership changes (an engine starts, one dies, the dead one comes back restarted) and a push that
+    failed verification: after each push every live engine holds exactly the current push's groups, one per stage."""
+    urls = [*URLS, "http://127.0.0.1:11"]
+    engines = EngineSet(WeightSyncConfig(), urls, "gloo", num_stages=2, updates=4)
+    fakes = {u: GroupHoldingEngine(u) for u in urls}
+    engines.clients = dict(fakes)
+    fakes[urls[2]].alive = False  # starts later
+
+    def push() -> GroupSpec:
+        spec, reform = engines.plan()
+        if reform:  # what the stage senders do: every member joins every stage's group
+            for m in spec.members:
+                fakes[m.url].groups |= {spec.name(s) for s in range(spec.num_stages)}
+        engines.conclude(spec, {}, touched={m.url for m in spec.members}, version=1)
+        return spec
+
+    def live_groups() -> dict[str, int]:
+        return {u: len(f.groups) for u, f in fakes.items() if f.alive}
+
+    push()
+    assert live_groups() == {urls[0]: 2, urls[1]: 2}
+    fakes[urls[2]].alive = True  # 1: an engine starts
+    spec = push()
+    assert len(spec.members) == 3 and live_groups() == {u: 2 for u in urls}
+    fakes[urls[1]].alive = False  # 2: one dies
+    push()
+    assert live_groups() == {urls[0]: 2, urls[2]: 2}
+    fakes[urls[1]] = engines.clients[urls[1]] = GroupHoldingEngine(urls[1])  # 3: it comes back, restarted
+    spec = push()
+    assert len(spec.members) == 3 and live_groups() == {u: 2 for u in urls}
+    assert all(f.groups == {spec.name(0), spec.name(1)} for f in fakes.values())
+    # a push that failed on one engine forms the groups again at the next push: the old ones go first
+    engines.conclude(spec, {urls[0]: "verify: differs"}, touched=set(urls), version=2)
+    spec = push()
+    assert all(f.groups == {spec.name(0), spec.name(1)} for f in fakes.values()) and spec.attempt == 4
+    engines.close()
+    assert live_groups() == {u: 0 for u in urls}

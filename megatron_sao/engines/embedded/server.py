@@ -156,6 +156,7 @@ class EngineState:
             "load": self.scheduler.load(),
             "weight_update_groups": {k: dict(v, names=list(v["names"])) for k, v in self.updater.traffic.items()},
             "weight_update_order": list(self.updater.order[-ORDER_SHOWN:]),
+            "live_weight_update_groups": sorted(self.updater.groups),  # joined and not destroyed
             "tp_ranks": self._rank_traffic() if self.tp_size > 1 else [],
         }
 
