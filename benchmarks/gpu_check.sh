@@ -5,6 +5,8 @@
 #                                      NCCL update group + abort, NCCL push between two processes, device push into
 #                                      an embedded engine (each skips, naming why, where its hardware is missing)
 #   3. benchmarks/gpu_weight_sync.py   the device-side packing rate of a 1 GiB expert bucket
+#   (tests/gpu also runs SGLang's gpu_tensor_hash kernel on CUDA against the port: put the sglang 0.5.23 wheel in
+#   .whl/sglang/ -- cp ~/.cache/megatron-sao/wheels/sglang-0.5.23-*.whl .whl/sglang/ -- never installed, only read)
 # Results: one JSON line per measurement in $OUT/gpu_check.jsonl, the GPU tier's log in $OUT/gpu_tests.log.
 #
 # That machine has torch, transformers, safetensors and pytest but not megatron-core, pydantic, msgspec or pyzmq:
@@ -25,6 +27,7 @@ else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONUNBUFFERED=1
+for w in .whl/sglang/sglang-*.whl; do [ -f "$w" ] && export SAO_SGLANG_WHEEL="$PWD/$w"; done
 out_dir="${OUT:-/tmp}"
 out="$out_dir/gpu_check.jsonl"
 nvidia-smi -L || true

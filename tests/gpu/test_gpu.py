@@ -212,3 +212,36 @@ def test_a_learner_on_the_gpu_pushes_to_an_embedded_engine_and_the_checksums_agr
                                                               if k.startswith("sync/")})  # fmt: skip
     assert out["metrics"]["sync/failed"] == 0 and out["version"] == 1, out
     assert out["gather_device"].startswith("cuda"), out
+
+
+# ---- SGLang's tensor hash on CUDA -----------------------------------------------------------------------------------
+def _sglang_wheel_missing() -> str | None:
+    from tests.engines.sglang_source import CACHE, PINNED
+
+    if os.environ.get("SAO_SGLANG_WHEEL") or list(CACHE.glob(f"sglang-{PINNED}-*.whl")):
+        return None
+    return (f"no sglang {PINNED} wheel here (carry it: SAO_SGLANG_WHEEL=<path>; the CPU tier fetches it into "
+            f"{CACHE})")  # fmt: skip
+
+
+@needs_cuda
+def test_the_gpu_hash_port_equals_sglangs_kernel_on_cuda() -> None:
+    """flat_bucket.gpu_tensor_hash (what the learner compares SGLang's /weights_checker with) equals SGLang's own
+    Triton kernel run on CUDA, the way SGLang's weight checker runs it (the CPU tier compares the kernel under
+    Triton's interpreter)."""
+    pytest.importorskip("triton", reason="CUDA torch ships triton; this torch has none")
+    if (why := _sglang_wheel_missing()) is not None:
+        pytest.skip(why)
+    from megatron_sao.distributed import flat_bucket
+    from tests.distributed.test_gpu_tensor_hash import RECORDED, _cases
+    from tests.engines.sglang_source import source
+
+    ns: dict[str, Any] = {"__name__": "sglang_gpu_tensor_hash"}
+    exec(compile(source("kernels/ops/memory/gpu_tensor_hash.py"), "gpu_tensor_hash.py", "exec"), ns)
+    big = torch.randn(3, 1 << 20, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)  # 384 tiles
+    for name, tensor in {**_cases(), "bf16 3x2^20 random": big}.items():
+        if tensor.numel() == 0:
+            continue  # the kernel's wrapper returns 0 before any launch
+        on_gpu = ns["gpu_tensor_hash"](tensor.cuda())
+        assert on_gpu == flat_bucket.gpu_tensor_hash(tensor), name
+        assert name not in RECORDED or on_gpu == RECORDED[name], name
