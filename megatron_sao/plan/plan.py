@@ -23,7 +23,12 @@ RUNTIME_RESERVE_GB = 3.0
 LINK_EFFICIENCY = 0.9
 """Share of a NIC's line rate a large NCCL broadcast reaches."""
 BUCKET_OVERHEAD_S = 0.005
-"""Per bucket of a push: the HTTP request, SGLang's dispatch, kernel launches (docs/weight_sync.md)."""
+"""Per bucket of a push: the HTTP request, SGLang's dispatch, kernel launches (docs/weight_sync.md). Paid bucket after
+bucket over the whole push: every stage's buckets go in ONE order (weight_sync/sender.py PushOrder) and an SGLang
+engine holds its pause across each update's receive and load, so no two buckets' control overlaps."""
+CONTROL_CALL_S = 0.005
+"""Per control call of a push (pause, begin, marker, end, verify, continue): each engine answers in parallel, one
+call after the other."""
 COPY_EFFICIENCY = 0.35
 """A device-to-device copy's rate as a share of HBM bandwidth (it reads and writes every byte, at ~70%): the
 embedded engine's commit of a staged push into its live parameters."""
@@ -456,7 +461,8 @@ def _plan_sync(cfg: SAOConfig, hw: Hardware, plan: Plan) -> None:
     experts = c.routed + c.routed * 4 // (128 * 128) if fp8_engines else c.routed * 2
     buckets = pp * (math.ceil((total - experts) / pp / bucket) + math.ceil(experts / pp / bucket))
     floor = max(receiver, source)
-    seconds = floor + buckets / pp * BUCKET_OVERHEAD_S
+    control = buckets * BUCKET_OVERHEAD_S + CONTROL_CALLS_PER_ENGINE * CONTROL_CALL_S
+    seconds = floor + control
     plan.sync = SyncPlan(bytes_per_engine_rank=total, buckets=buckets, sources=pp, seconds=seconds, floor_seconds=floor,
                          engines=cfg.rollout.num_engines)  # fmt: skip
     # the full-tensor broadcast SGLang's ranks take: paused for the whole push (pause_mode none is refused there)
@@ -472,7 +478,7 @@ def _plan_sync(cfg: SAOConfig, hw: Hardware, plan: Plan) -> None:
     rank = total / tp
     relays = max(1, min(tp, hw.gpus_per_node, plan.world // pp))
     handed = total * (relays - 1) / relays / (hw.nvlink_gb_s * 1e9 * LINK_EFFICIENCY)
-    transfer = max(rank / bandwidth, total / relays / bandwidth, handed) + buckets / pp * BUCKET_OVERHEAD_S
+    transfer = max(rank / bandwidth, total / relays / bandwidth, handed) + control
     commit = rank / (COPY_EFFICIENCY * hw.engine_hbm_bytes_s)
     plan.sync.paths["sharded"] = PushPath("sharded", "embedded engine", rank, transfer, commit, staging_bytes=rank,
                                           relays=relays)  # fmt: skip

@@ -167,3 +167,17 @@ def test_the_push_paths_say_what_each_engine_rank_receives_and_how_long_the_engi
     glm = make_plan(load_config(GLM, []), json.loads((ROOT / "examples/glm_750b/hf_config.json").read_text()),
                     Hardware(nodes=96, engine_gpu_mem_gb=141))  # fmt: skip
     assert any("a shard-aware push stages 93.2 GB per engine GPU" in n for n in glm.notes), glm.notes
+
+
+def test_a_push_pays_every_buckets_control_in_one_order_whatever_the_stages() -> None:
+    """Every stage's buckets reach the engines in ONE order (PushOrder) and SGLang holds its pause across each
+    update's receive and load: the control of all buckets adds up, not a stage's share of it (GLM-5: PP=8)."""
+    from megatron_sao.plan.plan import BUCKET_OVERHEAD_S, CONTROL_CALL_S, CONTROL_CALLS_PER_ENGINE
+
+    glm = make_plan(load_config(GLM, []), json.loads((ROOT / "examples/glm_750b/hf_config.json").read_text()),
+                    Hardware(nodes=96, engine_gpu_mem_gb=141))  # fmt: skip
+    s = glm.sync
+    assert s.sources == 8 and s.buckets > 8
+    control = s.buckets * BUCKET_OVERHEAD_S + CONTROL_CALLS_PER_ENGINE * CONTROL_CALL_S
+    assert s.seconds == pytest.approx(s.floor_seconds + control)
+    assert s.paths["full"].transfer_s == pytest.approx(s.seconds)
