@@ -322,6 +322,27 @@ class SGLangClient:
             body["load_format"] = load_format
         return self.request("POST", P.UPDATE_WEIGHTS_FROM_DISTRIBUTED, body, timeout_s=timeout_s)
 
+    def update_weights_from_tensor(
+        self,
+        entries: list[str],
+        *,
+        load_format: str | None = None,
+        weight_version: int | str | None = None,
+        flush_cache: bool = True,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        """One update by payload: `entries[i]` is TP rank i's (name, tensor) list packed by
+        distributed/tensor_payload.pack; load_format None (full HF tensors), "direct" (each rank's own layout) or
+        "flattened_bucket". Inside a session (SGLang >= 0.5.21). SGLang's scheduler dies on a payload it cannot
+        load: check names and shapes before sending."""
+        body: dict[str, Any] = {
+            "serialized_named_tensors": list(entries),
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+            "weight_version": None if weight_version is None else str(weight_version),
+        }
+        return self.request("POST", P.UPDATE_WEIGHTS_FROM_TENSOR, body, timeout_s=timeout_s)
+
     def begin_weight_update(self) -> dict[str, Any]:
         """Open the weight-update session updates must run in (SGLang >= 0.5.21)."""
         return self.request("POST", P.BEGIN_WEIGHT_UPDATE, {}, timeout_s=120.0)

@@ -42,6 +42,7 @@ FLUSH_CACHE = "/flush_cache"
 INIT_WEIGHTS_UPDATE_GROUP = "/init_weights_update_group"
 DESTROY_WEIGHTS_UPDATE_GROUP = "/destroy_weights_update_group"
 UPDATE_WEIGHTS_FROM_DISTRIBUTED = "/update_weights_from_distributed"
+UPDATE_WEIGHTS_FROM_TENSOR = "/update_weights_from_tensor"  # one payload per TP rank (distributed/tensor_payload.py)
 SERVER_INFO = "/server_info"
 GET_WEIGHTS_BY_NAME = "/get_weights_by_name"  # {"name", "truncate_size"=100} -> the first rows, as float lists
 GET_SERVER_INFO = "/get_server_info"  # older spelling of /server_info (before 0.5.6)

@@ -73,6 +73,7 @@ ROUTES = {
     "/init_weights_update_group": {"POST"},
     "/destroy_weights_update_group": {"POST"},
     "/update_weights_from_distributed": {"POST"},
+    "/update_weights_from_tensor": {"POST"},
     "/get_weights_by_name": {"GET", "POST"},
 }
 # Canned responses in SGLang's shapes (0.5.23 with spans; an older server without them).
@@ -174,6 +175,7 @@ IO = "srt/managers/io_struct.py"
 CONTROL_STRUCTS = {
     P.INIT_WEIGHTS_UPDATE_GROUP: "InitWeightsUpdateGroupReqInput",
     P.UPDATE_WEIGHTS_FROM_DISTRIBUTED: "UpdateWeightsFromDistributedReqInput",
+    P.UPDATE_WEIGHTS_FROM_TENSOR: "UpdateWeightsFromTensorReqInput",
     P.DESTROY_WEIGHTS_UPDATE_GROUP: "DestroyWeightsUpdateGroupReqInput",
     P.BEGIN_WEIGHT_UPDATE: "BeginWeightUpdateReqInput",
     P.END_WEIGHT_UPDATE: "EndWeightUpdateReqInput",
@@ -197,6 +199,7 @@ def _sent_control_bodies() -> dict[str, Any]:
     c.init_weights_update_group("127.0.0.1", 29500, 1, 2, "g", "gloo")
     c.update_weights_from_distributed(["w"], ["float32"], [[2]], group_name="g", weight_version=3,
                                       flush_cache=False, load_format="flattened_bucket")  # fmt: skip
+    c.update_weights_from_tensor(["AAAA"], load_format="direct", weight_version=4, flush_cache=False)
     c.destroy_weights_update_group("g")
     c.begin_weight_update()
     c.end_weight_update()

@@ -54,6 +54,7 @@ CONTROL_STRUCTS = {
     P.INIT_WEIGHTS_UPDATE_GROUP: "InitWeightsUpdateGroupReqInput",
     P.DESTROY_WEIGHTS_UPDATE_GROUP: "DestroyWeightsUpdateGroupReqInput",
     P.UPDATE_WEIGHTS_FROM_DISTRIBUTED: "UpdateWeightsFromDistributedReqInput",
+    P.UPDATE_WEIGHTS_FROM_TENSOR: "UpdateWeightsFromTensorReqInput",
     P.UPDATE_WEIGHT_VERSION: "UpdateWeightVersionReqInput",
     P.PAUSE_GENERATION: "PauseGenerationReqInput",
     P.CONTINUE_GENERATION: "ContinueGenerationReqInput",
@@ -124,7 +125,8 @@ class EngineState:
             return 200, self.weight_shards()
         sessions = (P.BEGIN_WEIGHT_UPDATE, P.END_WEIGHT_UPDATE) if self.protocol.session else ()
         weight_paths = (P.INIT_WEIGHTS_UPDATE_GROUP, P.DESTROY_WEIGHTS_UPDATE_GROUP,
-                        P.UPDATE_WEIGHTS_FROM_DISTRIBUTED, P.UPDATE_WEIGHT_VERSION, *sessions)  # fmt: skip
+                        P.UPDATE_WEIGHTS_FROM_DISTRIBUTED, P.UPDATE_WEIGHTS_FROM_TENSOR, P.UPDATE_WEIGHT_VERSION,
+                        *sessions)  # fmt: skip
         if path in weight_paths and method == "POST":
             return self._weights(path, body)
         return 404, {"error": {"message": f"{method} {path} is not served by the embedded engine "
@@ -236,6 +238,8 @@ class EngineState:
                 )
             elif path == P.DESTROY_WEIGHTS_UPDATE_GROUP:
                 msg = self.updater.destroy_group(str(body.get("group_name", "weight_update_group")))
+            elif path == P.UPDATE_WEIGHTS_FROM_TENSOR:
+                msg = self._update_from_tensor(body)
             else:
                 msg = self._update_from_distributed(body)
         except (WeightUpdateError, KeyError, TypeError, ValueError) as e:
@@ -264,6 +268,26 @@ class EngineState:
         done = "staged for the session's end" if staged else "updated in place"
         suffix = f" Weight version updated to {version}." if version is not None else ""
         return f"Succeeded: {len(update.tensors)} tensors {done}.{suffix}"
+
+    def _update_from_tensor(self, body: dict[str, Any]) -> str:
+        """SGLang's /update_weights_from_tensor: each TP rank opens its own entry of serialized_named_tensors
+        (distributed/tensor_payload.py) and loads it by load_format: None -- full HF tensors, each rank keeping
+        what it holds, any subset --, "direct" -- the rank's own layout: HF names, this rank's /weight_shards block
+        of each tensor it holds split --, or "flattened_bucket"; staged in the session like a distributed update."""
+        entries = body["serialized_named_tensors"]
+        if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+            raise ValueError("serialized_named_tensors must be a list of base64 strings, one per TP rank")
+        if body.get("abort_all_requests"):
+            self.scheduler.abort(None, "Aborted by update_weights_from_tensor(abort_all_requests=True)")
+        version = body.get("weight_version")
+        update = self.updater.receive_tensors(entries, body.get("load_format"),
+                                              None if version is None else str(version))  # fmt: skip
+        if not self.protocol.session:
+            self.scheduler.apply_update(update)
+            self.updater.recycle(update.buffers)
+        if body.get("flush_cache", True) and not self.scheduler.flushable():
+            self._flush_refused()
+        return "Success"
 
     def _flush_refused(self) -> None:
         """SGLang's answer to a refused post-update flush: 0.5.22+ fails the call; older schedulers die on it."""
@@ -533,6 +557,12 @@ def serve_follower(
             pending.append(update)
         return f"received {len(update.tensors)} tensors"
 
+    def receive_tensors(**kwargs: Any) -> str:
+        update = updater.receive_tensors(**kwargs)
+        if not updater.protocol.session:
+            pending.append(update)
+        return f"loaded {len(update.tensors)} tensors"
+
     handlers = {
         "step": {
             "forward": forward,
@@ -548,6 +578,7 @@ def serve_follower(
             "begin": updater.begin,
             "end": end,
             "receive": receive,
+            "receive_tensors": receive_tensors,
             "drop_pending": drop_pending,
             "discard": updater.discard,
         },

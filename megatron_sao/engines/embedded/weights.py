@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from megatron_sao.distributed import flat_bucket
+from megatron_sao.distributed import flat_bucket, tensor_payload
 from megatron_sao.distributed.update_group import block_group_name, destroy_update_group, init_update_group
 from megatron_sao.engines.protocol import SHARDED_BUCKET, ServerProtocol
 from megatron_sao.models.mapping import Target, on_disk_names, resolve_in_memory
@@ -61,6 +61,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+TENSOR_ROUTE = "update_weights_from_tensor"
+"""What the traffic record and a session's groups call the updates of /update_weights_from_tensor."""
 GROUP_TIMEOUT_S = 300.0
 """Joining a group and each broadcast give up after this long (the trainer must join / send within it)."""
 FLATTENED_BUCKET = "flattened_bucket"
@@ -434,6 +436,68 @@ class WeightUpdater:
             self._stage(session, update, names, group_name)
         return update
 
+    def receive_tensors(self, entries: list[str], load_format: str | None,
+                        weight_version: str | None) -> ReceivedUpdate:  # fmt: skip
+        """SGLang's /update_weights_from_tensor on this rank: open entry `tp_rank` of `entries` and stage (or, without
+        sessions, return for applying) what it names. Refused before anything changes: outside a session (SGLang's
+        words), an unknown load format, no entry for this rank, a payload the safe unpickler blocks or that does not
+        fit the model (a name it lacks; a shape other than the full tensor's, or with "direct" this rank's block).
+        SGLang's scheduler dies on the last three instead of answering 400: a sender checks before it sends."""
+        with self._lock:
+            session = self.session
+            if session is not None:
+                session.receiving += 1
+                session.last_activity = time.monotonic()
+        if self.protocol.session and session is None:
+            raise WeightUpdateError(
+                "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+            )
+        try:
+            with self.serial:
+                args = dict(entries=entries, load_format=load_format, weight_version=weight_version)
+                return self._mirrored("receive_tensors", args, lambda: self._receive_tensors(session, **args))
+        except WeightUpdateError as e:
+            if session is not None:
+                self._fail(session, str(e))
+            raise
+        finally:
+            if session is not None:
+                with self._lock:
+                    session.receiving -= 1
+
+    def _receive_tensors(self, session: Session | None, entries: list[str], load_format: str | None,
+                         weight_version: str | None) -> ReceivedUpdate:  # fmt: skip
+        if load_format not in (None, "direct", FLATTENED_BUCKET):
+            raise WeightUpdateError(f"Unknown load_format={load_format}")
+        if self.tp_rank >= len(entries):
+            raise WeightUpdateError(f"serialized_named_tensors has {len(entries)} entries; TP rank {self.tp_rank} "
+                                    "opens its own (send one per TP rank)")  # fmt: skip
+        try:
+            pairs = tensor_payload.named_tensors(tensor_payload.open_entry(entries[self.tp_rank]), load_format)
+        except tensor_payload.PayloadError as e:
+            raise WeightUpdateError(str(e)) from None
+        direct = load_format == "direct"
+        problems, targets, tensors, boxes = [], [], [], []
+        for name, tensor in pairs:
+            box = self.box_of(name) if direct else None
+            problem, target = self._check(name, tensor.dtype, tuple(tensor.shape) if box is None else None)
+            if problem is None and box is not None and tuple(tensor.shape) != tuple(box[1]):
+                problem = f"{name}: shape {list(tensor.shape)} != this rank's block {list(box[1])} (load_format direct)"
+            if problem:
+                problems.append(problem)
+            targets.append(target)
+            tensors.append(tensor.detach().to("cpu", copy=True).contiguous())  # the sender's memory is lent
+            boxes.append(box is not None)
+        if problems:
+            shown = "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
+            raise WeightUpdateError(f"update rejected, model unchanged: {shown}")
+        names = [n for n, _ in pairs]
+        self._record(TENSOR_ROUTE, names, tensors)
+        update = ReceivedUpdate(targets, tensors, weight_version, [], boxes)
+        if session is not None:
+            self._stage(session, update, names, TENSOR_ROUTE)
+        return update
+
     def _broadcasts(
         self, group: Any, dtypes: list[torch.dtype], shapes: list[list[int]], slots: list[flat_bucket.Slot] | None
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
@@ -505,13 +569,14 @@ class WeightUpdater:
             rec["bytes"] += sum(t.nbytes for t in tensors)
             rec["names"].extend(names)
 
-    def _check(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[str | None, Target]:
+    def _check(self, name: str, dtype: torch.dtype, shape: tuple[int, ...] | None) -> tuple[str | None, Target]:
+        """A problem with receiving `name` as `dtype` of `shape` (None: any shape, checked by the caller), or None."""
         try:
             target = resolve_in_memory(name, self.tensors)
         except KeyError:
             return f"{name}: no such weight in the model (send HF on-disk names)", Target(name)
         view = target.view(self.tensors)
-        if tuple(view.shape) != shape:
+        if shape is not None and tuple(view.shape) != shape:
             return f"{name}: shape {list(shape)} != model {list(view.shape)}", target
         if view.dtype != dtype:
             return f"{name}: dtype {dtype} != model {view.dtype} (cast on the trainer side)", target
