@@ -340,20 +340,25 @@ class WeightUpdater:
         session commits only if every update announced to it arrived complete and fit. A session discarded while
         this update was receiving (its group destroyed, a new group, idle expiry) takes the update with it: nothing
         received after a discard ever reaches the live model. Without sessions the caller applies the update."""
+        args = dict(names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, weight_version=weight_version,
+                    load_format=load_format)  # fmt: skip
+        return self._session_update("update_weights_from_distributed", "receive",
+                                    args, lambda session: self._receive(session, **args))  # fmt: skip
+
+    def _session_update(self, route: str, command: str, args: dict[str, Any],
+                        run: Callable[[Session | None], ReceivedUpdate]) -> ReceivedUpdate:  # fmt: skip
+        """One update request (`route`, mirrored to the other ranks as `command`) announced to the session open now,
+        refused outside one (SGLang >= 0.5.21, its words); a refusal fails that session."""
         with self._lock:
             session = self.session
             if session is not None:  # announced now: an `end` that gets the serial lock first refuses the session
                 session.receiving += 1
                 session.last_activity = time.monotonic()
         if self.protocol.session and session is None:
-            raise WeightUpdateError(
-                "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
-            )
+            raise WeightUpdateError(f"{route} must run between begin_weight_update() and end_weight_update()")
         try:
             with self.serial:
-                args = dict(names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
-                            weight_version=weight_version, load_format=load_format)  # fmt: skip
-                return self._mirrored("receive", args, lambda: self._receive(session, **args))
+                return self._mirrored(command, args, lambda: run(session))
         except WeightUpdateError as e:
             if session is not None:
                 self._fail(session, str(e))
@@ -443,27 +448,9 @@ class WeightUpdater:
         words), an unknown load format, no entry for this rank, a payload the safe unpickler blocks or that does not
         fit the model (a name it lacks; a shape other than the full tensor's, or with "direct" this rank's block).
         SGLang's scheduler dies on the last three instead of answering 400: a sender checks before it sends."""
-        with self._lock:
-            session = self.session
-            if session is not None:
-                session.receiving += 1
-                session.last_activity = time.monotonic()
-        if self.protocol.session and session is None:
-            raise WeightUpdateError(
-                "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
-            )
-        try:
-            with self.serial:
-                args = dict(entries=entries, load_format=load_format, weight_version=weight_version)
-                return self._mirrored("receive_tensors", args, lambda: self._receive_tensors(session, **args))
-        except WeightUpdateError as e:
-            if session is not None:
-                self._fail(session, str(e))
-            raise
-        finally:
-            if session is not None:
-                with self._lock:
-                    session.receiving -= 1
+        args = dict(entries=entries, load_format=load_format, weight_version=weight_version)
+        return self._session_update(TENSOR_ROUTE, "receive_tensors", args,
+                                    lambda session: self._receive_tensors(session, **args))  # fmt: skip
 
     def _receive_tensors(self, session: Session | None, entries: list[str], load_format: str | None,
                          weight_version: str | None) -> ReceivedUpdate:  # fmt: skip
