@@ -152,7 +152,7 @@ def run_kernel(path: str, call: str, inputs: dict[str, Any], lift: tuple[str, ..
         torch.save({"text": text, "inputs": inputs, "call": call, "path": path}, f"{tmp}/job.pt")
         script = (
             "import sys, torch\n"
-            f"job = torch.load({tmp + '/job.pt'!r}, weights_only=False)\n"
+            f"job = torch.load({tmp + '/job.pt'!r}, weights_only=True)\n"
             "ns = {'__name__': 'sglang_kernel'}\n"
             "exec(compile(job['text'], 'sglang/' + job['path'], 'exec'), ns)\n"
             "out = {k: eval(job['call'], dict(ns, x=x)) for k, x in job['inputs'].items()}\n"
@@ -163,4 +163,4 @@ def run_kernel(path: str, call: str, inputs: dict[str, Any], lift: tuple[str, ..
         done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             raise RuntimeError(f"sglang/{path} under Triton's interpreter failed:\n{done.stderr[-3000:]}")
-        return torch.load(f"{tmp}/out.pt", weights_only=False)
+        return torch.load(f"{tmp}/out.pt", weights_only=True)
