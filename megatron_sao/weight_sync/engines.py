@@ -289,7 +289,7 @@ class EngineSet:
 
     def abandon(self, spec: GroupSpec, reason: str, touched: set[str]) -> None:
         """A stage failed: every engine drops the groups and its session; see the module docstring."""
-        self.formed = spec
+        self.formed, self.unverified = spec, []  # nothing of this push is verified: it is not live anywhere
         self.release()
         self._each([self.clients[m.url] for m in spec.members if m.protocol.session],
                    lambda c: _quietly(c.end_weight_update), timeout_s=600.0)  # fmt: skip
