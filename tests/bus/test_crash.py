@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -105,9 +106,16 @@ def test_producer_sigkill_and_restart_with_its_spool_exactly_once(cluster: Clust
     p0 = cluster.producer("p0", workers["p0"], sleep_s=0.02)
     p1 = cluster.producer("p1", workers["p1"])
     spool = cluster.tmp / "spool" / "p0"
-    # kill while p0 has uncommitted trajectories on disk (right after a commit its spool can be empty for a moment)
-    wait_for(lambda: cluster.progress("p0") >= 15 and any(spool.glob("*.traj")), timeout_s=60, what="p0 mid-stream")
-    cluster.kill(p0)
+    # kill while p0 has uncommitted trajectories on disk. A commit can empty the spool between a look and the kill,
+    # so the receiver is frozen first (no more acks), its acks already sent are given time to land, then p0 dies.
+    wait_for(lambda: cluster.progress("p0") >= 15, timeout_s=60, what="p0 mid-stream")
+    r.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(0.5)
+        wait_for(lambda: any(spool.glob("*.traj")), timeout_s=30, what="p0 to spool past the last commit")
+        cluster.kill(p0)
+    finally:
+        r.send_signal(signal.SIGCONT)
     spooled = list(spool.glob("*.traj"))
     assert spooled, "the kill should leave uncommitted trajectories in the spool"
     p0 = cluster.producer("p0", workers["p0"])
