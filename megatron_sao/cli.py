@@ -5,6 +5,8 @@ config check FILE [...]                      validate only (exit 2 with the erro
 platform                                     list the CPU platform patches and whether they apply here
 smoke                                        build and train a tiny megatron-core MoE model for a few steps
 engine --model DIR --port N [...]            embedded CPU engine speaking SGLang's HTTP API (engines/embedded/)
+agent --engine URL --port N [...]            push agent beside an engine: receives a push without pausing it, then
+                                             hands each engine rank its slice (engines/agent/)
 run CONFIG [--section.key VALUE ...]         the whole run: on this machine (launch.mode=local), or every role as
                                              an srun step inside a Slurm allocation (launch.mode=slurm; --dry-run
                                              prints the node map and every command)
@@ -105,6 +107,13 @@ def _engine(ns: argparse.Namespace, rest: list[str]) -> int:
     from megatron_sao.engines.embedded.cli import main as engine_main
 
     return engine_main(rest)
+
+
+@command("agent")
+def _agent(ns: argparse.Namespace, rest: list[str]) -> int:
+    from megatron_sao.engines.agent.cli import main as agent_main
+
+    return agent_main(rest)
 
 
 def _read_config(path: str | None, overrides: list[str]) -> Any:

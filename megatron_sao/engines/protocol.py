@@ -238,6 +238,10 @@ ROUTED_EXPERTS_SINCE = (0, 5, 7)  # /generate return_routed_experts, server flag
 ROUTED_EXPERTS_START_SINCE = (0, 5, 8)  # routed_experts_start_len: routes of a later turn's new positions only
 EMBEDDED_ENGINE = "megatron_sao.embedded"
 """/server_info's "engine" of the embedded CPU engine (it also reports the SGLang version whose rules it follows)."""
+PUSH_AGENT = "megatron_sao.agent"
+"""/server_info's "engine" of a push agent (engines/agent/): it answers for the engine behind it (the version whose
+rules it follows is that engine's), receives a shard-aware push beside it without pausing it and hands each engine
+rank its slice over /update_weights_from_tensor at the session's end."""
 
 
 def checksum_device(info: dict[str, Any]) -> str:
@@ -283,6 +287,7 @@ class ServerProtocol:
 
     version: str
     embedded: bool = False
+    agent: bool = False  # a push agent in front of the engine (engines/agent/)
 
     @property
     def release(self) -> tuple[int, int, int]:
@@ -322,7 +327,7 @@ class ServerProtocol:
     def sharded_bucket(self) -> bool:
         """Takes load_format="sharded_bucket" (each rank its own slices): the embedded engine, where flattened
         buckets exist; a real SGLang server never (docs/weight_sync.md "Shard-aware pushes")."""
-        return self.embedded and self.flattened_bucket
+        return (self.embedded or self.agent) and self.flattened_bucket
 
     @property
     def routed_experts(self) -> bool:
@@ -334,13 +339,17 @@ class ServerProtocol:
 
     @property
     def staged(self) -> bool:
-        return self.embedded and self.session
+        """The engine keeps serving its previous weights and version until the session's end: the embedded engine
+        stages a push; a push agent holds it beside the engine and hands it over at the end (pausing an engine that
+        loads in place only for the handover)."""
+        return (self.embedded or self.agent) and self.session
 
     @classmethod
     def from_server_info(cls, info: dict[str, Any], url: str = "") -> ServerProtocol:
         version = info.get("version") if isinstance(info, dict) else None
         if not version:
             raise ValueError(f"engine {url}: /server_info carries no 'version'; cannot tell its weight-update protocol")
-        proto = cls(str(version), embedded=info.get("engine") == EMBEDDED_ENGINE)
+        engine = info.get("engine")
+        proto = cls(str(version), embedded=engine == EMBEDDED_ENGINE, agent=engine == PUSH_AGENT)
         proto.release  # noqa: B018 - raises ValueError on a version that does not parse
         return proto

@@ -138,8 +138,12 @@ SCHEMA: tuple[Metric, ...] = (
         "push",
         "why weights were pushed: interval, retry, engines_changed, deferred, resync, resume, final",
     ),  # fmt: skip
-    Metric("sync/*", "push", "the push: engines, bytes, buckets, tensors, seconds and time_* phases, failed, peak_mb, "
-           "unverified (samples an engine showed neither by checksum nor by rows)"),  # fmt: skip
+    Metric(
+        "sync/*",
+        "push",
+        "the push: engines, bytes, buckets, tensors, seconds and time_* phases, failed, peak_mb, "
+        "unverified (samples an engine showed neither by checksum nor by rows)",
+    ),  # fmt: skip
     Metric("bus/*", "step", "the trajectory bus: sessions, accepted, rejected by reason, stale dropped, staleness"),
     Metric("time/step", "step", "wall time of the iteration, waiting included"),
     Metric("time/wait", "step", "waiting for the step's trajectories"),

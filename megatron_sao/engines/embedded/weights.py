@@ -122,14 +122,19 @@ class WeightUpdater:
     broadcast failed mid-way, or its session sat idle for `session_timeout_s`): the staged push is discarded, and
     the engine, whose weights are intact, may resume serving them (server.py does)."""
 
-    def __init__(self, model: torch.nn.Module, protocol: ServerProtocol, session_timeout_s: float = GROUP_TIMEOUT_S,
+    device = torch.device("cpu")
+    backends: tuple[str, ...] = ("gloo",)  # what update groups this receiver joins over (the CPU: gloo)
+
+    def __init__(self, model: torch.nn.Module | dict[str, torch.Tensor], protocol: ServerProtocol,
+                 session_timeout_s: float = GROUP_TIMEOUT_S,
                  on_orphaned: Callable[[str], None] | None = None, fp8: Fp8Weights | None = None,
                  peers: Peers | None = None, tp_rank: int = 0) -> None:  # fmt: skip
         from megatron_sao.engines.embedded.tp import LocalShards
 
         self.session_timeout_s = session_timeout_s
         self.on_orphaned = on_orphaned or (lambda reason: None)
-        self.tensors: dict[str, torch.Tensor] = dict(model.state_dict())  # share storage with the model
+        # share storage with the model (a push agent passes its table of meta tensors instead: it holds no model)
+        self.tensors: dict[str, torch.Tensor] = dict(model) if isinstance(model, dict) else dict(model.state_dict())
         # tensor parallelism: the parameters split over the ranks stand here as meta tensors of their global shape
         # (what updates are checked against); their elements are written and read through `shards`
         self.shards: LocalShards = LocalShards(self.tensors)
@@ -211,8 +216,9 @@ class WeightUpdater:
         (for load_format sharded_bucket): the group's engine ranks partitioned by the blocks they hold; this rank
         also joins the sub-group of its own part (`block_group_name`: rank 0 the trainer rank that broadcasts that
         part, the part's ranks 1.. in the order given), over which it receives its blocks by broadcast."""
-        if backend != "gloo":
-            raise WeightUpdateError(f"backend={backend!r}: the embedded engine runs on CPU; use backend 'gloo'")
+        if backend not in self.backends:
+            raise WeightUpdateError(f"backend={backend!r}: this receiver runs on {self.device}; use backend "
+                                    f"{' or '.join(map(repr, self.backends))}")  # fmt: skip
         if not group_name:
             raise WeightUpdateError("Group name cannot be empty")
         if not 0 < rank_offset < world_size:
@@ -229,7 +235,7 @@ class WeightUpdater:
             _drop_groups(group_name, stale, stale_blocks)
         try:
             group = init_update_group(
-                "gloo", master_address, master_port, world_size, rank_offset, group_name, GROUP_TIMEOUT_S
+                backend, master_address, master_port, world_size, rank_offset, group_name, GROUP_TIMEOUT_S
             )
         except (RuntimeError, ValueError) as e:  # the trainer never came, or the store refused us
             raise WeightUpdateError(
@@ -239,7 +245,7 @@ class WeightUpdater:
         if part is not None:
             index, ranks = part
             try:
-                blocks = init_update_group("gloo", master_address, master_port, len(ranks) + 1,
+                blocks = init_update_group(backend, master_address, master_port, len(ranks) + 1,
                                            ranks.index(rank_offset) + 1, block_group_name(group_name, index),
                                            GROUP_TIMEOUT_S)  # fmt: skip
             except (RuntimeError, ValueError) as e:
