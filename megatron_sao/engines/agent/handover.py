@@ -147,7 +147,7 @@ def parts(sizes: Sequence[Sequence[tuple[str, int]]], limit_bytes: int) -> list[
     """Split every rank's tensors (name, bytes), in order, into the same number of handover calls of about
     `limit_bytes` per rank; a module's tensors (a weight and its scale) stay in one call. parts[i][r]: the names
     rank r hands over in call i (possibly none)."""
-    grouped = [_modules(rank) for rank in sizes]
+    grouped = [_modules(sorted(rank, key=lambda x: x[0].rsplit(".", 1)[0])) for rank in sizes]
     totals = [sum(b for _, b in rank) for rank in sizes]
     n = max(1, *(math.ceil(t / max(limit_bytes, 1)) for t in totals))
     out: list[list[list[str]]] = [[[] for _ in sizes] for _ in range(n)]
@@ -162,7 +162,8 @@ def parts(sizes: Sequence[Sequence[tuple[str, int]]], limit_bytes: int) -> list[
 
 
 def _modules(named: Sequence[tuple[str, int]]) -> list[tuple[list[str], int]]:
-    """Consecutive tensors of one module (the name up to its last dot) as one unit: (names, bytes)."""
+    """Consecutive tensors of one module (the name up to its last dot) as one unit: (names, bytes); `named` is
+    sorted by module."""
     out: list[tuple[list[str], int]] = []
     prefix = None
     for name, nbytes in named:
