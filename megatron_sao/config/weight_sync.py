@@ -65,6 +65,19 @@ class WeightSyncConfig(Section):
     verify_tensors: list[str] = Field(default_factory=lambda: ["model.norm.weight"])
     """HF names sampled by the `sample` check (tensors SGLang keeps unfused)."""
 
+    agent: bool = False
+    """Push through a push agent beside each engine (engines/agent/, `python -m megatron_sao agent`): its ranks receive
+    each engine rank's slice while the engine keeps generating, then hand it over by /update_weights_from_tensor
+    (SGLang >= 0.5.21), so an engine stops only for the handover. The launchers start one per engine at the
+    engine's port + agent_port_offset; for engines you run (rollout.engine_urls) start them there yourself. Off:
+    pushes go to the engines themselves (full tensors to SGLang; the embedded engine takes sharded ones anyway)."""
+
+    agent_port_offset: int = Field(default=1000, ge=1, le=30000)
+    """An engine's push agent listens on the engine's port + this (on the engine's host)."""
+
+    agent_part_mb: float = Field(default=512, gt=0)
+    """Bytes per engine rank in one handover call of an agent (on GPUs, the device copy it lends at a time)."""
+
     connect_timeout_s: float = Field(default=300.0, gt=0)
     """Forming one stage's update group (every engine rank joins)."""
 

@@ -25,6 +25,7 @@ import base64
 import math
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlparse
 
 import numpy as np
 
@@ -242,6 +243,15 @@ PUSH_AGENT = "megatron_sao.agent"
 """/server_info's "engine" of a push agent (engines/agent/): it answers for the engine behind it (the version whose
 rules it follows is that engine's), receives a shard-aware push beside it without pausing it and hands each engine
 rank its slice over /update_weights_from_tensor at the session's end."""
+
+
+def agent_url(engine_url: str, port_offset: int) -> str:
+    """Where the push agent of the engine at `engine_url` listens: its host, its port + `port_offset`
+    (weight_sync.agent_port_offset)."""
+    u = urlparse(engine_url if "://" in engine_url else f"http://{engine_url}")
+    if not u.hostname or not u.port:
+        raise ValueError(f"engine url {engine_url!r}: expected http://HOST:PORT")
+    return f"http://{u.hostname}:{u.port + port_offset}"
 
 
 def checksum_device(info: dict[str, Any]) -> str:

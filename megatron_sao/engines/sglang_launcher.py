@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_sao.config.rollout import RolloutConfig
+from megatron_sao.config.weight_sync import WeightSyncConfig
 from megatron_sao.distributed.spawn import child_env
 from megatron_sao.engines.client import SGLangClient
+from megatron_sao.engines.protocol import agent_url
 
 
 def sglang_command(
@@ -91,6 +93,33 @@ def embedded_command(
     return cmd
 
 
+def agent_command(
+    rollout: RolloutConfig,
+    weight_sync: WeightSyncConfig,
+    index: int,
+    host: str,
+    slot: int = 0,
+    python: str = sys.executable,
+    node_rank: int = 0,
+    dist_init_host: str | None = None,
+) -> list[str]:
+    """The push agent beside engine `index` (weight_sync.agent): on the engine's node(s), at its port +
+    weight_sync.agent_port_offset; on GPUs on the engine's GPUs (`slot` as for engine_command); for an engine
+    spanning nodes, its part on node `node_rank`, the parts meeting at `dist_init_host`."""
+    engine_port = rollout.base_port + index
+    cmd = [python, "-m", "megatron_sao", "agent", "--engine", f"http://{dist_init_host or host}:{engine_port}"]
+    cmd += ["--host", host, "--port", str(engine_port + weight_sync.agent_port_offset)]
+    cmd += ["--part-mb", f"{weight_sync.agent_part_mb:g}", "--wait-engine", f"{rollout.health_timeout_s:g}"]
+    if rollout.engine == "sglang":
+        cmd += ["--device", "cuda", "--base-gpu-id", str(slot * rollout.sglang.gpus_per_node)]
+        nnodes, port = rollout.sglang.nnodes, rollout.sglang.dist_init_port
+    else:
+        nnodes, port = rollout.embedded.nnodes, rollout.embedded.dist_init_port
+    section = "rollout.sglang" if rollout.engine == "sglang" else "rollout.embedded"
+    return cmd + span_args(section, nnodes, node_rank, dist_init_host,
+                           port + index + weight_sync.agent_port_offset)  # fmt: skip
+
+
 def engines_per_node(rollout: RolloutConfig, gpus_per_node: int) -> int | None:
     """How many SGLang engines fit on one node (None: embedded engines, which take no GPU); ValueError naming the
     fields when not even one does."""
@@ -142,6 +171,20 @@ def engine_commands(rollout: RolloutConfig, model_path: str, gpus_per_node: int)
     ]
 
 
+def agent_commands(rollout: RolloutConfig, weight_sync: WeightSyncConfig, gpus_per_node: int
+                   ) -> list[tuple[str, list[str]]]:  # fmt: skip
+    """(url, command) of the push agent of every engine engine_commands launches (none unless weight_sync.agent)."""
+    if rollout.engine_urls or not weight_sync.agent:
+        return []
+    per_node = engines_per_node(rollout, gpus_per_node) or rollout.num_engines
+    host = rollout.host
+    return [
+        (agent_url(f"http://{host}:{rollout.base_port + i}", weight_sync.agent_port_offset),
+         agent_command(rollout, weight_sync, i, host, i % per_node))
+        for i in range(rollout.num_engines)
+    ]  # fmt: skip
+
+
 class EngineStartError(RuntimeError):
     """An engine exited or did not become healthy in time; the message carries its log tail."""
 
@@ -157,12 +200,12 @@ class EngineProcess:
         return "\n".join(text.splitlines()[-lines:])
 
 
-def launch(commands: list[tuple[str, list[str]]], log_dir: str | Path) -> list[EngineProcess]:
-    """Start each command with its output in log_dir/engine_<i>.log."""
+def launch(commands: list[tuple[str, list[str]]], log_dir: str | Path, role: str = "engine") -> list[EngineProcess]:
+    """Start each command with its output in log_dir/<role>_<i>.log."""
     Path(log_dir).mkdir(parents=True, exist_ok=True)
     procs = []
     for i, (url, cmd) in enumerate(commands):
-        log_path = Path(log_dir) / f"engine_{i}.log"
+        log_path = Path(log_dir) / f"{role}_{i}.log"
         with open(log_path, "wb") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env())
             procs.append(EngineProcess(url, proc, log_path))

@@ -127,7 +127,8 @@ class SlurmRun:
         self.logs.mkdir(parents=True, exist_ok=True)
         steps = build_steps(cfg, config_path, overrides, self.node_map)
         srun_args = list(cfg.launch.slurm.srun_args)
-        self.engines = [Running(s, self.logs, srun_args) for s in steps if s.role == "engine"]
+        # an engine's push agent (weight_sync.agent) is started, awaited, watched and restarted like an engine
+        self.engines = [Running(s, self.logs, srun_args) for s in steps if s.role in ("engine", "agent")]
         (self.learner,) = [Running(s, self.logs, srun_args) for s in steps if s.role == "learner"]
         self.critic = next((Running(s, self.logs, srun_args) for s in steps if s.role == "critic"), None)
         self.workers = [Running(s, self.logs, srun_args) for s in steps if s.role == "worker"]
@@ -294,7 +295,7 @@ class SlurmRun:
 
     def _engine_parts(self, r: Running) -> list[Running]:
         """`r`, and for a part of an engine spanning nodes (engine-<i>, engine-<i>-node<r>) its other parts."""
-        if r.step.role != "engine":
+        if r.step.role not in ("engine", "agent"):
             return [r]
         base = r.step.name.split("-node")[0]
         return [r] + [e for e in self.engines if e is not r and (e.step.name == base or

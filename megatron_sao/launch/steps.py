@@ -1,7 +1,8 @@
-"""The srun steps of a run (launch.mode=slurm): one per engine, one per rollout worker, one for the learner (torchrun on
-every learner node), one for the value job of a critic on its own ranks (torchrun on its nodes), each the same
-`python -m megatron_sao ...` command local mode runs, plus the addresses the node map wires in as ordinary config
-overrides. Nothing Slurm-specific reaches a role but where it runs."""
+"""The srun steps of a run (launch.mode=slurm): one per engine (and its push agent, with weight_sync.agent), one
+per rollout worker, one for the learner (torchrun on every learner node), one for the value job of a critic on its
+own ranks (torchrun on its nodes), each the same `python -m megatron_sao ...` command local mode runs, plus the
+addresses the node map wires in as ordinary config overrides. Nothing Slurm-specific reaches a role but where it
+runs."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_sao.config.tree import SAOConfig
-from megatron_sao.engines.sglang_launcher import engine_command
+from megatron_sao.engines.protocol import agent_url
+from megatron_sao.engines.sglang_launcher import agent_command, engine_command
 from megatron_sao.launch.nodemap import NodeMap
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,8 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 @dataclass(frozen=True)
 class Step:
-    name: str  # engine-0, learner, rollout-0: its log is <run_dir>/logs/<name>.log
-    role: str  # engine | learner | critic | worker
+    name: str  # engine-0, agent-0, learner, rollout-0: its log is <run_dir>/logs/<name>.log
+    role: str  # engine | agent | learner | critic | worker
     nodes: tuple[str, ...]
     command: tuple[str, ...]  # what runs on each node
     env: dict[str, str] = field(default_factory=dict)  # set on top of the allocation's environment
@@ -61,6 +63,19 @@ def build_steps(
         for e in nodes.engines
         for rank, node in enumerate(e.span)
     ]
+    if cfg.weight_sync.agent:  # each engine's push agent, on its node(s): same names, "agent" for "engine"
+        steps += [
+            Step(
+                f"agent-{e.index}" if rank == 0 else f"agent-{e.index}-node{rank}",
+                "agent",
+                (node.name,),
+                tuple(agent_command(r, cfg.weight_sync, e.index, node.addr, e.slot, python, rank, e.node.addr)),
+                step_env(),
+                agent_url(e.url, cfg.weight_sync.agent_port_offset) if rank == 0 else None,
+            )  # fmt: skip
+            for e in nodes.engines
+            for rank, node in enumerate(e.span)
+        ]
     learn = ["learn", config_path, "--engines", urls, *overrides, "--bus.bind", nodes.bus_bind]
     if nodes.critic_bridge:
         learn += ["--critic-bridge", nodes.critic_bridge]

@@ -38,6 +38,7 @@ from megatron_sao.config.tree import SAOConfig
 from megatron_sao.config.weight_sync import WeightSyncConfig
 from megatron_sao.distributed.bootstrap import DistContext
 from megatron_sao.distributed.dirlock import DirLock
+from megatron_sao.engines.protocol import agent_url
 from megatron_sao.learner.checkpoint import checkpoint_dir, own_checkpoint_dir
 from megatron_sao.run.batches import Batches
 from megatron_sao.run.display import StepDisplay
@@ -576,6 +577,8 @@ def _weight_sync(learner: Any, cfg: SAOConfig, engine_urls: list[str]) -> Any:
 
     assert learner.policy is not None
     dtype_of = hf_dtype_of(learner.hf_source, torch.float32 if learner.spec.dtype == "fp32" else torch.bfloat16)
+    if cfg.weight_sync.agent:  # pushes go to each engine's push agent (engines/agent/), generation to the engine
+        engine_urls = [agent_url(u, cfg.weight_sync.agent_port_offset) for u in engine_urls]
     return WeightSync(learner.policy.model, learner.spec, dtype_of, cfg.weight_sync, engine_urls,
                       stage=learner.layout.pp_rank, fp8_format=engine_fp8_format(cfg))  # fmt: skip
 

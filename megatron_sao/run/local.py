@@ -66,6 +66,13 @@ def run_local(cfg: SAOConfig, config_path: str, overrides: list[str]) -> dict[st
             print(f"[run] starting {len(commands)} {cfg.rollout.engine} engine(s): {', '.join(urls)}", flush=True)
             procs = engines.launch(commands, logs)
             engines.wait_healthy(procs, cfg.rollout.health_timeout_s)
+        agents = engines.agent_commands(cfg.rollout, cfg.weight_sync, cfg.launch.gpus_per_node)
+        if agents:  # beside the engines (weight_sync.agent); supervised and stopped with them
+            print(f"[run] starting {len(agents)} push agent(s): {', '.join(u for u, _ in agents)}", flush=True)
+            started = engines.launch(agents, logs, role="agent")
+            procs += started
+            commands += agents
+            engines.wait_healthy(started, cfg.rollout.health_timeout_s)
         cmd = [sys.executable, "-m", "megatron_sao", "rollout", config_path, "--engines", ",".join(urls), *overrides]
 
         def start_worker() -> None:
@@ -131,6 +138,10 @@ def _refuse_taken_ports(cfg: SAOConfig) -> None:
         ports.update(
             {cfg.rollout.base_port + i: f"engine {i} (rollout.base_port)" for i in range(cfg.rollout.num_engines)}
         )
+        if cfg.weight_sync.agent:
+            offset = cfg.weight_sync.agent_port_offset
+            ports.update({cfg.rollout.base_port + i + offset: f"engine {i}'s push agent (weight_sync.agent_port_offset)"
+                          for i in range(cfg.rollout.num_engines)})  # fmt: skip
     if cfg.bus.bind.startswith("tcp://"):
         ports[int(cfg.bus.bind.rsplit(":", 1)[1])] = "the bus (bus.bind)"
     for port, what in ports.items():

@@ -89,3 +89,39 @@ def test_every_readme_command_runs_in_dry_run_form(example: str, tmp_path: Path)
 def _config_of(sbatch_argv: list[str]) -> str:
     script = (REPO / sbatch_argv[-1]).read_text()
     return re.search(r"exec ./launch.sh run (\S+)", script).group(1)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_weight_sync_agent_puts_a_push_agent_beside_every_engine_part(example: str) -> None:
+    """weight_sync.agent: each engine part gets an agent step on its node, at the engine's port + the offset, on the
+    engine's GPUs, its node-rank 0 agent's URL being what the learner pushes to; the parts of an agent spanning
+    nodes meet at its engine's node 0."""
+    from megatron_sao.engines.protocol import agent_url
+    from megatron_sao.launch.nodemap import plan
+    from megatron_sao.launch.slurm import placeholder_nodes
+    from megatron_sao.launch.steps import build_steps
+
+    config = f"examples/{example}/config.yaml"
+    cfg = load_config(REPO / config, ["--weight_sync.agent", "true"])
+    nodes = plan(cfg, placeholder_nodes(cfg.launch.total_nodes))
+    steps = build_steps(cfg, config, [], nodes, python="python")
+    engines = [s for s in steps if s.role == "engine"]
+    agents = [s for s in steps if s.role == "agent"]
+    assert len(agents) == len(engines) and [a.nodes for a in agents] == [e.nodes for e in engines]
+    offset, sg = cfg.weight_sync.agent_port_offset, cfg.rollout.sglang
+    for engine, agent in zip(engines, agents):
+        assert agent.name == engine.name.replace("engine", "agent")
+        cmd = list(agent.command)
+        port = int(cmd[cmd.index("--port") + 1])
+        assert port == int(engine.command[engine.command.index("--port") + 1]) + offset
+        assert cmd[cmd.index("--base-gpu-id") + 1] == engine.command[engine.command.index("--base-gpu-id") + 1]
+        assert cmd[cmd.index("--device") + 1] == "cuda"
+        assert (agent.url is None) == (engine.url is None)
+        if engine.url:
+            assert agent.url == agent_url(engine.url, offset) and cmd[cmd.index("--engine") + 1] == engine.url
+        if sg.nnodes > 1:
+            assert cmd[cmd.index("--nnodes") + 1] == str(sg.nnodes)
+            addr = cmd[cmd.index("--dist-init-addr") + 1]
+            assert addr.rsplit(":", 1)[0] == engine.command[engine.command.index("--dist-init-addr") + 1].rsplit(":")[0]
+        else:
+            assert "--nnodes" not in cmd

@@ -84,6 +84,39 @@ def test_run_trains_syncs_and_resumes(tiny_hf_dir: Any, tmp_path: Path) -> None:
     assert_ledger_ok(run_dir)
 
 
+def _port_pair() -> tuple[int, int]:
+    """A free port whose next one is free too (an engine and its push agent at offset 1)."""
+    import socket
+
+    while True:
+        port = find_free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port, port + 1
+
+
+@pytest.mark.multiproc
+def test_run_pushes_through_a_push_agent(tiny_hf_dir: Any, tmp_path: Path) -> None:
+    """weight_sync.agent: the run starts an agent beside the engine; every push goes through it (the learner never
+    pauses the engine) and lands: the engine generates with the weights it was handed."""
+    hf_dir = tiny_hf_dir("qwen3_moe")
+    run_dir = tmp_path / "run"
+    engine, agent = _port_pair()
+    ports = {"engine": engine, "bus": find_free_port(), "sync": find_free_port()}
+    extra = ("--weight_sync.agent", "true", "--weight_sync.agent_port_offset", str(agent - engine))
+    out = _run(hf_dir, run_dir, ports, max_steps=2, extra=extra)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"starting 1 push agent(s): http://127.0.0.1:{agent}" in out.stdout
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["sync/version"] for r in records] == [1, 2] and all(r["sync/failed"] == 0 for r in records)
+    assert abs(records[0]["dis/ratio_mean"] - 1.0) < 1e-4 and records[0]["dis/mismatch_kl"] < 1e-6
+    log = (run_dir / "logs" / "agent_0.log").read_text()
+    assert "push agent for" in log and "Traceback" not in log, log[-3000:]
+
+
 @pytest.mark.multiproc
 def test_run_with_the_critic_on_its_own_ranks_pretrains_trains_and_resumes(tiny_hf_dir: Any, tmp_path: Path) -> None:
     hf_dir = tiny_hf_dir("qwen3_moe")
