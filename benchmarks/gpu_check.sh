@@ -3,7 +3,8 @@
 #   1. benchmarks/gpu_qwen3_slice.py   a Qwen3-30B-A3B-shaped slice: tokens/s and MFU of forward+backward and SAO step
 #   2. tests/gpu (pytest -m gpu)       what must hold on a GPU: policy on CUDA = transformers, TE specs = local spec,
 #                                      NCCL update group + abort, NCCL push between two processes, device push into
-#                                      an embedded engine (each skips, naming why, where its hardware is missing)
+#                                      an embedded engine, the push agent's CUDA IPC handover opened by another
+#                                      process (each skips, naming why, where its hardware is missing)
 #   3. benchmarks/gpu_weight_sync.py   the device-side packing rate of a 1 GiB expert bucket
 #   (tests/gpu also runs SGLang's gpu_tensor_hash kernel on CUDA against the port: put the sglang 0.5.23 wheel in
 #   .whl/sglang/ -- cp ~/.cache/megatron-sao/wheels/sglang-0.5.23-*.whl .whl/sglang/ -- never installed, only read)

@@ -27,8 +27,15 @@ On one CPU machine the learner's packing shares the cores with the engines, whic
 engine's own count is printed beside it, `engine-counted stall / push`: the seconds its scheduler spent in calls at
 a token boundary (the commit) and paused (`/server_info` load boundary_s + paused_s) over the push's wall time.
 
+Then (`--part agent`, or all) the push agent's path: full pushes into a TP=2 engine paused in place for the whole
+push (SGLang's own path) against pushes through a push agent beside a second TP=2 engine (`--pause-engine always`:
+the agent pauses it in place for the handover, as it must an SGLang engine, which loads in place). Prints
+`bytes per engine rank agent/full X` (here the embedded engine's "direct" blocks; SGLang's "hf" handover sends dense
+tensors whole and only the rank's experts: `plan` gives those bytes) and `engine stall / push X` for each path, as
+the engine counts it (paused + commit over the push's wall time).
+
     python benchmarks/weight_sync.py [--hidden 512 --layers 8 --experts 8 --vocab 16384 --bucket-mb 32 --repeats 5]
-                                     [--part all|pp|tp2]
+                                     [--part all|pp|tp2|agent]
 """
 
 from __future__ import annotations
@@ -275,9 +282,10 @@ def _tp2_rank(hf_dir: str, urls: dict[str, str], port: int, args: dict[str, Any]
     learner.load_hf(hf_dir)
     dtype_of = hf_dtype_of(learner.hf_source, torch.float32)
     syncs = {}
-    for i, (key, transfer) in enumerate((("full", "full"), ("sharded", "auto"))):
+    modes = args.get("modes") or {"full": ("full", "none"), "sharded": ("auto", "none")}
+    for i, (key, (transfer, pause)) in enumerate(modes.items()):
         ws = cfg.weight_sync.model_copy(update={"transfer": transfer, "master_port": port + 50 * i,
-                                                "group_name": f"bench_{key}"})  # fmt: skip
+                                                "group_name": f"bench_{key}", "pause_mode": pause})  # fmt: skip
         syncs[key] = WeightSync(learner.policy.model, learner.spec, dtype_of, ws, [urls[key]])
     stop = threading.Event()
     streams = [_decoding(u, stop) for u in urls.values()]
@@ -399,6 +407,47 @@ def shard_aware(hf_dir: str, work: Path, args: argparse.Namespace, results: dict
               f"{statistics.median(held):.2f} (runs {', '.join(f'{x:.2f}' for x in held)})")  # fmt: skip
 
 
+def agent_path(hf_dir: str, work: Path, args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """Full pushes into a TP=2 engine paused in place (SGLang's path) against pushes through a push agent beside a
+    second TP=2 engine, the agent pausing it in place for the handover as it must an SGLang engine."""
+    from megatron_sao.distributed import spawn_ranks
+
+    engines = {k: _start_engine(hf_dir, work, f"agent_{k}", "--tp-size", "2") for k in ("full", "agent")}
+    agent = None
+    try:
+        for k, (proc, url) in engines.items():
+            _wait_healthy(proc, url, work / f"agent_{k}.log")
+        agent_port = find_port()
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        log = open(work / "agent.log", "wb")  # noqa: SIM115 - lives as long as the agent
+        agent = subprocess.Popen([sys.executable, "-m", "megatron_sao", "agent", "--engine", engines["agent"][1],
+                                  "--port", str(agent_port), "--pause-engine", "always"], stdout=log,
+                                 stderr=subprocess.STDOUT, env=env)  # fmt: skip
+        agent_url = f"http://127.0.0.1:{agent_port}"
+        _wait_healthy(agent, agent_url, work / "agent.log")
+        urls = {"full": engines["full"][1], "agent": agent_url}
+        opts = {"bucket_mb": args.bucket_mb, "repeats": args.repeats,
+                "modes": {"full": ("full", "in_place"), "agent": ("auto", "auto")}}  # fmt: skip
+        (out,) = spawn_ranks(_tp2_rank, 1, hf_dir, urls, find_port(), opts, timeout_s=3000)
+    finally:
+        for proc in [p for p, _ in engines.values()] + ([agent] if agent is not None else []):
+            proc.kill()
+            proc.wait()
+    results["agent"] = out
+    med = {k: statistics.median(v) for k, v in out.items() if v}
+    print(f"TP=2 engines: full push paused in place (SGLang's path) vs through a push agent, {args.repeats} repeats "
+          "(medians):")  # fmt: skip
+    for key in ("full", "agent"):
+        print(f"  {key:6s} push {med[f'{key}_s']:.3f} s (runs {', '.join(f'{x:.3f}' for x in out[f'{key}_s'])}); "
+              f"largest engine rank received {med[f'{key}_rank_mb']:.1f} MB; {med[f'{key}_tokens']:.0f} tokens "
+              f"decoded during the push")  # fmt: skip
+    print(f"bytes per engine rank agent/full {med['agent_rank_mb'] / med['full_rank_mb']:.2f}")
+    for key in ("agent", "full"):
+        held = [h / s for h, s in zip(out[f"{key}_held_s"], out[f"{key}_s"])]
+        print(f"engine stall / push ({key}: paused + commit, counted by the engine) {statistics.median(held):.2f} "
+              f"(runs {', '.join(f'{x:.2f}' for x in held)})")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", default="qwen3_moe")
@@ -412,9 +461,10 @@ def main() -> None:
     p.add_argument("--json", default=None, help="write the results here too")
     p.add_argument(
         "--part",
-        choices=("all", "pp", "tp2"),
+        choices=("all", "pp", "tp2", "agent"),
         default="all",
-        help="pp: the push vs raw broadcast at PP=1/2; tp2: shard-aware vs full into TP=2 engines",
+        help="pp: the push vs raw broadcast at PP=1/2; tp2: shard-aware vs full into TP=2 engines; agent: full "
+        "pushes paused in place vs pushes through a push agent",
     )
     args = p.parse_args()
 
@@ -434,10 +484,10 @@ def main() -> None:
                                "--threads", "1"], stdout=log, stderr=subprocess.STDOUT, env=env)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     results: dict[str, Any] = {"model_mb": size_mb, "bucket_mb": args.bucket_mb, "repeats": args.repeats}
-    if args.part == "tp2":
+    if args.part in ("tp2", "agent"):
         engine.kill()
         engine.wait()
-        shard_aware(hf_dir, work, args, results)
+        (shard_aware if args.part == "tp2" else agent_path)(hf_dir, work, args, results)
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1, default=str))
         return
@@ -494,6 +544,7 @@ def main() -> None:
         engine.wait()
     if args.part == "all":
         shard_aware(hf_dir, work, args, results)
+        agent_path(hf_dir, work, args, results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
 

@@ -324,7 +324,7 @@ def main() -> int:
     j.add_argument("--from", dest="source", default=str(REPO / "docs/results/pipeline_efficiency.json"))
     j.add_argument(
         "--push",
-        choices=("config", "full", "sharded"),
+        choices=("config", "full", "sharded", "agent"),
         default="config",
         help="the push path (plan's table): the one the config's engines take, or another",
     )

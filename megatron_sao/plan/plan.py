@@ -32,6 +32,11 @@ call after the other."""
 COPY_EFFICIENCY = 0.35
 """A device-to-device copy's rate as a share of HBM bandwidth (it reads and writes every byte, at ~70%): the
 embedded engine's commit of a staged push into its live parameters."""
+H2D_GB_S = 25.0
+"""A host-to-GPU copy from pinned memory per GPU, GB/s (PCIe Gen5 x16 is 64 GB/s a direction; about 25 measured
+with several GPUs of a node copying at once): the push agent's handover moves each rank's slice over it."""
+HANDOVER_CALLS = 4
+"""Per push and engine, the push agent's calls around its handover: pause, begin, end, continue."""
 FIELD = re.compile(r"\b((?:launch|rollout|parallel|learner|model|weight_sync|bus|algo)\.[a-z_]+(?:\.[a-z_]+)*)")
 
 
@@ -111,11 +116,15 @@ class PushPath:
     """Extra memory per engine GPU while a push is received (staged beside the live weights)."""
     relays: int = 1
     """Learner GPUs per stage whose NICs the push leaves through (the source, and the sharded path's relays)."""
+    waits_for_stall: bool = False
+    """The learner waits for the stall after the transfer (the agent's handover; the sharded path's commit is
+    counted the same way when it is shorter than the transfer)."""
 
     @property
     def push_s(self) -> float:
-        """The learner's seconds per push: the transfer, then the engines' commit, which it waits for."""
-        return self.transfer_s + (self.stall_s if self.stall_s < self.transfer_s else 0.0)
+        """The learner's seconds per push: the transfer, then the engines' commit or handover, which it waits for."""
+        waits = self.waits_for_stall or self.stall_s < self.transfer_s
+        return self.transfer_s + (self.stall_s if waits else 0.0)
 
 
 @dataclass
@@ -128,8 +137,8 @@ class SyncPlan:
     engines: int = 1
     paths: dict[str, PushPath] = field(default_factory=dict)
     taken: str = "full"
-    """The path the config's engines take: SGLang's ranks take full tensors (the embedded engine, which takes the
-    sharded path, runs on CPU and is not planned)."""
+    """The path the config's engines take: SGLang's ranks take full tensors, or their slices from push agents
+    (weight_sync.agent); the embedded engine, which takes the sharded path, runs on CPU and is not planned."""
 
     @property
     def path(self) -> PushPath:
@@ -482,8 +491,26 @@ def _plan_sync(cfg: SAOConfig, hw: Hardware, plan: Plan) -> None:
     commit = rank / (COPY_EFFICIENCY * hw.engine_hbm_bytes_s)
     plan.sync.paths["sharded"] = PushPath("sharded", "embedded engine", rank, transfer, commit, staging_bytes=rank,
                                           relays=relays)  # fmt: skip
+    # the push agent beside SGLang (engines/agent/, "hf" handover): each rank takes the dense tensors whole and only the
+    # experts its expert-parallel rank stores; the learner sends one buffer per distinct set of blocks (one per
+    # expert-parallel rank), so the dense bytes leave once per set. The agent receives beside the engine, which
+    # decodes meanwhile; it stops for the handover: its slice copied to the GPU (H2D_GB_S) and loaded into the
+    # parameters (a device copy), one call per part of weight_sync.agent_part_mb, and the calls around it.
+    ep = max(1, cfg.rollout.sglang.ep)
+    agent_rank = (total - experts) + experts / ep
+    sent = (total - experts) * ep + experts
+    transfer = max(agent_rank / bandwidth, sent / relays / bandwidth,
+                   sent * (relays - 1) / relays / (hw.nvlink_gb_s * 1e9 * LINK_EFFICIENCY)) + control  # fmt: skip
+    part = cfg.weight_sync.agent_part_mb * 2**20
+    handover = (agent_rank / (H2D_GB_S * 1e9) + agent_rank / (COPY_EFFICIENCY * hw.engine_hbm_bytes_s)
+                + math.ceil(agent_rank / part) * BUCKET_OVERHEAD_S + HANDOVER_CALLS * CONTROL_CALL_S)  # fmt: skip
+    plan.sync.paths["agent"] = PushPath("agent", "SGLang >= 0.5.21 + push agent", agent_rank, transfer, handover,
+                                        staging_bytes=min(part, agent_rank) + bucket, relays=relays,
+                                        waits_for_stall=True)  # fmt: skip
+    if cfg.weight_sync.agent:
+        plan.sync.taken = "agent"
     # the planned engines are SGLang's, whose ranks take full tensors only (weight_sync/engines.py refuses otherwise)
-    if cfg.weight_sync.transfer == "sharded":
+    if cfg.weight_sync.transfer == "sharded" and not cfg.weight_sync.agent:
         plan.misfits.append(Misfit("weight_sync.transfer", "weight_sync.transfer='sharded': SGLang engines take only "
                                    "full tensors (docs/weight_sync.md, release table): use auto or full"))  # fmt: skip
     if plan.engine is not None and plan.engine.pool - rank < 0:

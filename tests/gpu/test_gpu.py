@@ -245,3 +245,45 @@ def test_the_gpu_hash_port_equals_sglangs_kernel_on_cuda() -> None:
         on_gpu = ns["gpu_tensor_hash"](tensor.cuda())
         assert on_gpu == flat_bucket.gpu_tensor_hash(tensor), name
         assert name not in RECORDED or on_gpu == RECORDED[name], name
+
+
+_OPEN_AS_SGLANG = """
+import sys, torch
+from megatron_sao.distributed import flat_bucket, tensor_payload
+torch.cuda.set_device(0)
+pairs = tensor_payload.named_tensors(tensor_payload.open_entry(open(sys.argv[1]).read()), None)
+# SGLang's TP worker: each tensor to its device (_unwrap_tensor), then loaded; here: what arrived, hashed
+print({n: flat_bucket.tensor_checksum(t.to("cuda").cpu()) for n, t in pairs}, flush=True)
+assert all(t.is_cuda for _, t in pairs), [t.device for _, t in pairs]
+"""
+
+
+@needs_cuda
+def test_the_agents_cuda_ipc_handover_opens_in_another_process(tmp_path: Path) -> None:
+    """The push agent's handover on a GPU (engines/agent/ranks.py lend): a rank's part copied to the device and packed
+    as CUDA IPC handles opens in another process under SGLang's safe unpickler, as SGLang's TP worker opens it, and
+    holds exactly what the agent received (its block cut from a tensor that came whole)."""
+    from megatron_sao.distributed import flat_bucket
+    from megatron_sao.engines.agent.handover import Handover
+    from megatron_sao.engines.agent.ranks import AgentReceiver
+    from megatron_sao.engines.embedded.weights import ReceivedUpdate
+    from megatron_sao.engines.protocol import ServerProtocol
+    from megatron_sao.models.mapping import Target
+
+    host = {"a.weight": torch.randn(64, 32).to(torch.bfloat16), "b.weight": torch.randn(1001)}
+    if hasattr(torch, "float8_e4m3fn"):
+        host["c.weight"] = torch.randn(16, 16).to(torch.float8_e4m3fn)
+    table = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in host.items()}
+    handover = Handover("direct", 1, {"a.weight": [((32, 0), (32, 32))]})
+    receiver = AgentReceiver(table, ServerProtocol("0.5.23", agent=True), handover, 0, torch.device("cuda", 0), 60.0)
+    receiver.pending = ReceivedUpdate([Target(n) for n in host], list(host.values()), "1")
+    entry = receiver.lend([list(host)])
+    (tmp_path / "entry").write_text(entry)
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "-c", _OPEN_AS_SGLANG, str(tmp_path / "entry")], capture_output=True,
+                         text=True, timeout=120, env=env)  # fmt: skip
+    receiver.returned()
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    want = {n: flat_bucket.tensor_checksum(t) for n, t in host.items()}
+    want["a.weight"] = flat_bucket.tensor_checksum(host["a.weight"][32:].contiguous())
+    assert eval(out.stdout.strip().splitlines()[-1]) == want  # noqa: S307 - our own child's dict of strings

@@ -31,6 +31,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--part-mb", type=float, default=512.0,
                    help="bytes per engine rank in one /update_weights_from_tensor call (bounds the GPU copy "
                    "lent)")  # fmt: skip
+    p.add_argument("--pause-engine", choices=["auto", "always"], default="auto",
+                   help="pause the engine in place for the handover: auto where it loads in place (SGLang), not "
+                   "where it stages a push itself (the embedded engine); always: every engine (to measure SGLang's "
+                   "stall on the embedded one)")  # fmt: skip
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: receive over NCCL and lend CUDA IPC handles (on the engine's GPUs)")  # fmt: skip
     p.add_argument("--base-gpu-id", type=int, default=0, help="the engine's --base-gpu-id")
@@ -132,6 +136,7 @@ def main(argv: list[str]) -> int:
     from megatron_sao.engines.agent.server import AgentState, serve
 
     receiver = AgentReceiver(table, agent_proto, handover, 0, device, args.weight_session_timeout, peers=peers)
-    state = AgentState(client, info, receiver, handover, int(args.part_mb * 2**20))
+    state = AgentState(client, info, receiver, handover, int(args.part_mb * 2**20),
+                       pause_always=args.pause_engine == "always")  # fmt: skip
     serve(state, args.host, args.port)
     return 0

@@ -43,8 +43,9 @@ class AgentState:
     """Rank 0 of the agent: the learner's requests, the engine behind, the handover."""
 
     def __init__(self, engine: SGLangClient, engine_info: dict[str, Any], receiver: AgentReceiver,
-                 handover: Handover, part_bytes: int) -> None:  # fmt: skip
+                 handover: Handover, part_bytes: int, pause_always: bool = False) -> None:  # fmt: skip
         self.engine, self.receiver, self.handover, self.part_bytes = engine, receiver, handover, part_bytes
+        self.pause_always = pause_always  # pause even an engine that stages a push (measuring SGLang's stall)
         self.engine_protocol = P.ServerProtocol.from_server_info(engine_info, engine.url)
         self.device = P.checksum_device(engine_info)
         self.partial: str | None = None  # why the engine holds part of a handover (kept paused), or None
@@ -145,7 +146,7 @@ class AgentState:
                 raise WeightUpdateError(refused)
             sizes += [[tuple(x) for x in reply.value] for reply in replies]
         plan = parts(sizes, self.part_bytes)
-        pause = not self.engine_protocol.staged
+        pause = self.pause_always or not self.engine_protocol.staged
         loaded = False
         try:
             if pause:
