@@ -13,6 +13,7 @@ the tier reports its tests skipped with their reasons on a CPU machine instead o
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -248,12 +249,12 @@ def test_the_gpu_hash_port_equals_sglangs_kernel_on_cuda() -> None:
 
 
 _OPEN_AS_SGLANG = """
-import sys, torch
+import json, sys, torch
 from megatron_sao.distributed import flat_bucket, tensor_payload
 torch.cuda.set_device(0)
 pairs = tensor_payload.named_tensors(tensor_payload.open_entry(open(sys.argv[1]).read()), None)
 # SGLang's TP worker: each tensor to its device (_unwrap_tensor), then loaded; here: what arrived, hashed
-print({n: flat_bucket.tensor_checksum(t.to("cuda").cpu()) for n, t in pairs}, flush=True)
+print(json.dumps({n: flat_bucket.tensor_checksum(t.to("cuda").cpu()) for n, t in pairs}), flush=True)
 assert all(t.is_cuda for _, t in pairs), [t.device for _, t in pairs]
 """
 
@@ -286,4 +287,4 @@ def test_the_agents_cuda_ipc_handover_opens_in_another_process(tmp_path: Path) -
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     want = {n: flat_bucket.tensor_checksum(t) for n, t in host.items()}
     want["a.weight"] = flat_bucket.tensor_checksum(host["a.weight"][32:].contiguous())
-    assert eval(out.stdout.strip().splitlines()[-1]) == want  # noqa: S307 - our own child's dict of strings
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == want
