@@ -181,3 +181,30 @@ def test_a_push_pays_every_buckets_control_in_one_order_whatever_the_stages() ->
     control = s.buckets * BUCKET_OVERHEAD_S + CONTROL_CALLS_PER_ENGINE * CONTROL_CALL_S
     assert s.seconds == pytest.approx(s.floor_seconds + control)
     assert s.paths["full"].transfer_s == pytest.approx(s.seconds)
+
+
+def test_the_agent_path_sends_dense_tensors_whole_and_each_rank_its_experts_and_stops_the_engines_for_the_handover(
+) -> None:  # fmt: skip
+    """agent (weight_sync.agent): each engine rank takes the dense tensors whole and 1/EP of the experts; the
+    engines stop only for the handover (host -> GPU copy and load of that slice, plus its calls), which the learner
+    waits for; the agent stages one part and one bucket on the GPU, not the slice. Without expert parallelism it
+    moves the whole model per rank, and its handover is no shorter than the full push's stall: the plan says so."""
+    from megatron_sao.plan.plan import H2D_GB_S
+
+    hf = json.loads((ROOT / "examples/glm_750b/hf_config.json").read_text())
+    over = ["--rollout.sglang.tp", "32", "--rollout.sglang.ep", "32", "--rollout.sglang.nnodes", "4",
+            "--rollout.num_engines", "8"]  # fmt: skip
+    glm = make_plan(load_config(GLM, [*over, "--weight_sync.agent", "true"]), hf, Hardware(nodes=96))
+    full, agent = glm.sync.paths["full"], glm.sync.paths["agent"]
+    assert glm.sync.taken == "agent"
+    c = glm.counts
+    experts = c.routed + c.routed * 4 // (128 * 128)  # block-FP8 engines: one byte a parameter plus the scales
+    assert agent.bytes_per_engine_rank == pytest.approx(full.bytes_per_engine_rank - experts + experts / 32)
+    assert agent.bytes_per_engine_rank < 0.1 * full.bytes_per_engine_rank
+    assert agent.stall_s > agent.bytes_per_engine_rank / (H2D_GB_S * 1e9)
+    assert agent.stall_s < 0.15 * full.stall_s and agent.push_s == pytest.approx(agent.transfer_s + agent.stall_s)
+    assert agent.staging_bytes <= (512 + 1024) * 2**20
+    qwen = make_plan(load_config(QWEN, ["--weight_sync.agent", "true"]), json.loads(
+        (ROOT / "examples/qwen3_30b/hf_config.json").read_text()), Hardware(nodes=6))  # fmt: skip
+    assert qwen.sync.paths["agent"].bytes_per_engine_rank == qwen.sync.paths["full"].bytes_per_engine_rank  # EP=1
+    assert qwen.sync.paths["agent"].stall_s > qwen.sync.paths["full"].stall_s

@@ -119,7 +119,8 @@ def main(argv: list[str]) -> int:
     tp_rank = layout.node_ranks[0] if args.tp_rank is None else args.tp_rank
     device = torch.device("cpu")
     if args.device == "cuda":
-        device = torch.device("cuda", args.base_gpu_id + tp_rank * args.gpu_id_step)
+        local = tp_rank - layout.node_ranks[0]  # SGLang's GPU of a rank: base + its place on the node x step
+        device = torch.device("cuda", args.base_gpu_id + local * args.gpu_id_step)
         torch.cuda.set_device(device)
     agent_proto = P.ServerProtocol(proto.version, agent=True)
     store, peers = None, None

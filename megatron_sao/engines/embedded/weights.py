@@ -470,7 +470,7 @@ class WeightUpdater:
         except tensor_payload.PayloadError as e:
             raise WeightUpdateError(str(e)) from None
         direct = load_format == "direct"
-        problems, targets, tensors, boxes = [], [], [], []
+        problems, targets, boxes = [], [], []
         for name, tensor in pairs:
             box = self.box_of(name) if direct else None
             problem, target = self._check(name, tensor.dtype, tuple(tensor.shape) if box is None else None)
@@ -479,14 +479,16 @@ class WeightUpdater:
             if problem:
                 problems.append(problem)
             targets.append(target)
-            tensors.append(tensor.detach().to("cpu", copy=True).contiguous())  # the sender's memory is lent
             boxes.append(box is not None)
         if problems:
             shown = "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
             raise WeightUpdateError(f"update rejected, model unchanged: {shown}")
+        # the sender's memory is lent for the call: copied into receive buffers (those of past pushes, recycled)
+        buffers = [self._buffer(t.nbytes) for _, t in pairs]
+        tensors = [b.view(t.dtype).view(t.shape).copy_(t.detach()) for b, (_, t) in zip(buffers, pairs)]
         names = [n for n, _ in pairs]
         self._record(TENSOR_ROUTE, names, tensors)
-        update = ReceivedUpdate(targets, tensors, weight_version, [], boxes)
+        update = ReceivedUpdate(targets, tensors, weight_version, buffers, boxes)
         if session is not None:
             self._stage(session, update, names, TENSOR_ROUTE)
         return update
