@@ -53,7 +53,7 @@ def _config(ns: argparse.Namespace, rest: list[str]) -> int:
     p.add_argument("action", choices=["show", "check"])
     p.add_argument("file", nargs="?", help="YAML or TOML config; omit for the defaults")
     args, overrides = p.parse_known_args(rest)
-    cfg = _read_config(args.file, overrides)
+    cfg = _read_config(args.file, overrides, preflight=args.action == "check")
     if cfg is None:
         return 2
     if args.action == "show":
@@ -116,15 +116,29 @@ def _agent(ns: argparse.Namespace, rest: list[str]) -> int:
     return agent_main(rest)
 
 
-def _read_config(path: str | None, overrides: list[str]) -> Any:
-    """The resolved config, or None after printing the error (which names the field and the fix)."""
+def _read_config(path: str | None, overrides: list[str], preflight: bool = True, model_here: bool = False) -> Any:
+    """The resolved config, or None after printing the error (which names the field and the fix); with `preflight`
+    also what it names that must exist (run/preflight.py: the environment, paths, the model's family; the model
+    directory itself when `model_here`, else a note)."""
     from megatron_sao.config import ConfigError, load_config
 
     try:
-        return load_config(path, overrides)
+        cfg = load_config(path, overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return None
+    if preflight:
+        from megatron_sao.run.preflight import missing_model, problems
+
+        found = problems(cfg, model_here)
+        for line in found:
+            print(f"error: {line}", file=sys.stderr)
+        if found:
+            return None
+        if not model_here and (note := missing_model(cfg)) is not None:
+            print(f"note: {note.replace('; point it at', ' here (fine where the run starts elsewhere); point it at')}",
+                  file=sys.stderr)  # fmt: skip
+    return cfg
 
 
 def _load(
@@ -150,7 +164,9 @@ def _load(
         p.add_argument("--checkpoint", default=None, help="a run dir, a save dir or one checkpoint (default: the "
                        "config's launch.run_dir; 'none': the initial weights, model.hf_path)")  # fmt: skip
     args, overrides = p.parse_known_args(rest)
-    cfg = _read_config(args.config, overrides)
+    # the model must be here for the roles that load it now, and for a local run (its engines and learner start here)
+    here = prog in ("learn", "critic", "eval") or (prog == "run" and not args.dry_run and _local(args, overrides))
+    cfg = _read_config(args.config, overrides, model_here=here)
     if cfg is None:
         return None
     import logging
@@ -159,6 +175,12 @@ def _load(
     if cfg.launch.log_level != "debug":  # megatron lists every parameter of every DDP bucket at info
         logging.getLogger("megatron").setLevel(logging.WARNING)
     return cfg, args, overrides
+
+
+def _local(args: argparse.Namespace, overrides: list[str]) -> bool:
+    """Whether the run's launch.mode is local (read without the preflight)."""
+    cfg = _read_config(args.config, overrides, preflight=False)
+    return cfg is not None and cfg.launch.mode == "local"
 
 
 @command("plan")

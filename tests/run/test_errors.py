@@ -61,3 +61,33 @@ def test_tensor_parallel_must_divide_the_heads(tiny_hf_dir: Any) -> None:
     with pytest.raises(ConfigError, match=r"parallel.tensor=3 does not divide the model's 4 attention heads"):
         check(3)
     check(2)
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "megatron_sao", *argv], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env=_env())  # fmt: skip
+
+
+@pytest.mark.multiproc
+def test_what_a_config_names_is_resolved_before_anything_starts(tiny_hf_dir: Any, tmp_path: Path) -> None:
+    """run/preflight.py: a misspelt environment, a checkpoint or prompt file that is not there, a model of another
+    family: `config check` and `run` refuse them at once (exit 2, one line naming the field and the fix), before an
+    engine starts or a file is written; a cluster's model path that is not on this machine is only a note."""
+    hf = str(tiny_hf_dir("qwen3_moe"))
+    base = ["examples/tiny_cpu/config.yaml", "--model.hf_path", hf, "--launch.run_dir", str(tmp_path / "run")]
+    done = _cli("config", "check", *base, "--rollout.env.name", "keychain")
+    assert done.returncode == 2 and done.stderr.count("error:") == 1, done.stderr
+    assert "rollout.env.name='keychain': unknown environment" in done.stderr
+    assert "did you mean 'key_chain'" in done.stderr
+    done = _cli("run", *base, "--rollout.env.name", "keychain")
+    assert done.returncode == 2 and "rollout.env.name='keychain'" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written
+    done = _cli("config", "check", *base, "--learner.load", str(tmp_path / "nope"), "--eval.prompts", "/nope.jsonl")
+    assert done.returncode == 2 and "learner.load=" in done.stderr and "eval.prompts='/nope.jsonl'" in done.stderr
+    glm = str(tiny_hf_dir("glm4_moe"))
+    done = _cli("config", "check", *base[:1], "--model.hf_path", glm, "--model.family", "qwen3_moe")
+    assert done.returncode == 2 and "model.family=qwen3_moe but config.json says model_type" in done.stderr
+    done = _cli("plan", *base[:1], "--model.hf_path", glm, "--model.family", "qwen3_moe", "--nodes", "1")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    done = _cli("config", "check", "examples/qwen3_30b/config.yaml")  # its model lives on the cluster
+    assert done.returncode == 0 and "note: model.hf_path='/checkpoints/Qwen3-30B-A3B'" in done.stderr

@@ -1,0 +1,80 @@
+"""What a config names that can be checked before anything starts (owned by run/; cli.py runs it in `config check`
+and before `run`, `submit`, `learn`, `eval` and `plan` start a process or write a file): the environment against the
+registry, the files and directories the run will read, the model family against the model's config.json. Each
+problem is one line naming the field, the value and the fix; the command then exits 2 (a configuration error, unlike
+1: it does not fit, or the run failed)."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+
+from megatron_sao.config.tree import SAOConfig
+
+
+def problems(cfg: SAOConfig, model_here: bool) -> list[str]:
+    """Every problem found, in the order of the fields; empty when the config can start. `model_here`: the model
+    directory must exist on this machine (a run starting here); otherwise only a family that contradicts a
+    config.json found here is a problem (`missing_model` says what is absent)."""
+    return [*_environment(cfg), *_paths(cfg), *model_problems(cfg, model_here)]
+
+
+def missing_model(cfg: SAOConfig) -> str | None:
+    """A note when model.hf_path is not on this machine (fine where the run starts elsewhere), else None."""
+    found = model_problems(cfg, True)
+    return found[0] if found and not model_problems(cfg, False) else None
+
+
+def _environment(cfg: SAOConfig) -> list[str]:
+    from megatron_sao.rollout.envs import REGISTRY, env_class
+
+    name = cfg.rollout.env.name
+    try:
+        env_class(name)
+    except (ValueError, ImportError, AttributeError) as e:
+        close = difflib.get_close_matches(name, sorted(REGISTRY), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        why = f"unknown environment; registered: {', '.join(sorted(REGISTRY))}, or 'module:Class'" if ":" not in name \
+            else f"{type(e).__name__}: {e}"  # fmt: skip
+        return [f"rollout.env.name={name!r}: {why}{hint}"]
+    return []
+
+
+def _paths(cfg: SAOConfig) -> list[str]:
+    out = []
+    if cfg.learner.load and not Path(cfg.learner.load).is_dir():
+        out.append(f"learner.load={cfg.learner.load!r}: no such directory; give a checkpoint directory (a run's "
+                   "<run_dir>/checkpoints, holding `latest`) or leave learner.load unset")  # fmt: skip
+    for field, value in (("rollout.env.prompts", cfg.rollout.env.prompts), ("eval.prompts", cfg.eval.prompts)):
+        if value and not Path(value).is_file():
+            out.append(f"{field}={value!r}: no such file; give a JSONL of prompts (tools/make_prompts.py) or leave "
+                       f"{field} unset to have the environment make them")  # fmt: skip
+    return out
+
+
+def model_problems(cfg: SAOConfig, must_exist: bool) -> list[str]:
+    """model.hf_path: absent (when it `must_exist`), unreadable, or of another family than model.family."""
+    hf = cfg.model.hf_path
+    if not hf:
+        return []
+    config = Path(hf) / "config.json"
+    if not config.is_file():
+        if not must_exist or cfg.model.make_tiny is not None:  # made at the run's start (model.make_tiny)
+            return []
+        what = "no such directory" if not Path(hf).is_dir() else "no config.json in it"
+        relative = not Path(hf).is_absolute()
+        made = " (./launch.sh makes the CPU examples' models first: run them through it)" if relative else ""
+        return [f"model.hf_path={hf!r}: {what}; point it at an HF model directory (config.json and "
+                f"*.safetensors){made}"]  # fmt: skip
+    try:
+        hf_config = json.loads(config.read_text())
+    except ValueError as e:
+        return [f"model.hf_path={hf!r}: {config} is not valid JSON ({e})"]
+    from megatron_sao.models.families import UnsupportedModelError, detect_family
+
+    try:
+        detect_family(hf_config, cfg.model.family)
+    except UnsupportedModelError as e:
+        return [f"model.hf_path={hf!r}: {e}"]
+    return []
