@@ -27,6 +27,7 @@ rollout CONFIG --engines URLS [...]          one rollout worker pushing trajecto
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 import time
@@ -52,7 +53,7 @@ def _config(ns: argparse.Namespace, rest: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m megatron_sao config")
     p.add_argument("action", choices=["show", "check"])
     p.add_argument("file", nargs="?", help="YAML or TOML config; omit for the defaults")
-    args, overrides = p.parse_known_args(rest)
+    args, overrides = _parse(p, rest)
     cfg = _read_config(args.file, overrides, preflight=args.action == "check")
     if cfg is None:
         return 2
@@ -163,7 +164,7 @@ def _load(
     if prog == "eval":
         p.add_argument("--checkpoint", default=None, help="a run dir, a save dir or one checkpoint (default: the "
                        "config's launch.run_dir; 'none': the initial weights, model.hf_path)")  # fmt: skip
-    args, overrides = p.parse_known_args(rest)
+    args, overrides = _parse(p, rest)
     # the model must be here for the roles that load it now, and for a local run (its engines and learner start here)
     here = prog in ("learn", "critic", "eval") or (prog == "run" and not args.dry_run and _local(args, overrides))
     cfg = _read_config(args.config, overrides, model_here=here)
@@ -178,9 +179,28 @@ def _load(
 
 
 def _local(args: argparse.Namespace, overrides: list[str]) -> bool:
-    """Whether the run's launch.mode is local (read without the preflight)."""
-    cfg = _read_config(args.config, overrides, preflight=False)
-    return cfg is not None and cfg.launch.mode == "local"
+    """Whether the run's launch.mode is local (read quietly: the caller reports what is wrong)."""
+    from megatron_sao.config import ConfigError, load_config
+
+    try:
+        return load_config(args.config, overrides).launch.mode == "local"
+    except ConfigError:
+        return False
+
+
+def _parse(p: argparse.ArgumentParser, rest: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The command's own flags, and the rest as config overrides (--section.key VALUE); a flag that is neither (no
+    section in its name) ends the command, named with the command's flag it is closest to (exit 2)."""
+    args, overrides = p.parse_known_args(rest)
+    for token in overrides:
+        if token.startswith("--") and "." not in token.split("=", 1)[0]:
+            flag = token.split("=", 1)[0]
+            known = [o for a in p._actions for o in a.option_strings if o.startswith("--")]
+            close = difflib.get_close_matches(flag, known, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            p.error(f"unknown flag {flag}: {hint}(its flags: {', '.join(known)}; config overrides are "
+                    "--section.key VALUE)")  # fmt: skip
+    return args, overrides
 
 
 @command("plan")
@@ -194,7 +214,7 @@ def _plan(ns: argparse.Namespace, rest: list[str]) -> int:
     p.add_argument("--ib-gbps", type=float, default=400.0, help="network bandwidth into one GPU, Gb/s")
     p.add_argument("--hf-config", default=None, help="config.json (or HF directory) of the model; default: "
                    "model.hf_path, then hf_config.json beside CONFIG")  # fmt: skip
-    args, overrides = p.parse_known_args(rest)
+    args, overrides = _parse(p, rest)
     cfg = _read_config(args.config, overrides)
     if cfg is None:
         return 2

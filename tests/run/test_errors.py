@@ -91,3 +91,11 @@ def test_what_a_config_names_is_resolved_before_anything_starts(tiny_hf_dir: Any
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     done = _cli("config", "check", "examples/qwen3_30b/config.yaml")  # its model lives on the cluster
     assert done.returncode == 0 and "note: model.hf_path='/checkpoints/Qwen3-30B-A3B'" in done.stderr
+
+
+@pytest.mark.multiproc
+def test_an_unknown_flag_is_named_with_the_flag_it_is_closest_to() -> None:
+    done = _cli("submit", "examples/qwen3_30b/config.yaml", "--dryrun")
+    assert done.returncode == 2 and "unknown flag --dryrun: did you mean --dry-run?" in done.stderr, done.stderr
+    done = _cli("run", "examples/tiny_cpu/config.yaml", "--learner.max_step", "3")  # an override: its own message
+    assert done.returncode == 2 and done.stderr.count("did you mean 'learner.max_steps'") == 1, done.stderr
