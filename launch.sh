@@ -12,6 +12,13 @@
 #   ./launch.sh <command> ...            any `python -m megatron_sao` command (learn, rollout, engine, smoke, ...)
 set -euo pipefail
 cd "$(dirname "$0")"
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then  # launch.sh's own modes first, then the commands it passes on
+  sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+  echo
+  echo "python -m megatron_sao commands (./launch.sh <command> --help for each):"
+  sed -n '/^"""/,/^"""/p' megatron_sao/cli.py | sed '1d;$d'
+  exit 0
+fi
 source tools/setup_env.sh ""  # (not this script's arguments: they would name an extra)
 
 tiny_model() {  # tiny_model DIR HIDDEN: a random qwen3_moe with a tokenizer, made once

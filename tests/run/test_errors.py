@@ -99,3 +99,11 @@ def test_an_unknown_flag_is_named_with_the_flag_it_is_closest_to() -> None:
     assert done.returncode == 2 and "unknown flag --dryrun: did you mean --dry-run?" in done.stderr, done.stderr
     done = _cli("run", "examples/tiny_cpu/config.yaml", "--learner.max_step", "3")  # an override: its own message
     assert done.returncode == 2 and done.stderr.count("did you mean 'learner.max_steps'") == 1, done.stderr
+
+
+def test_launch_sh_help_describes_its_own_modes_first_without_installing_anything() -> None:
+    done = subprocess.run(["./launch.sh", "--help"], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "Start megatron-sao." and lines[1].startswith("  ./launch.sh ")
+    assert "./launch.sh style" in done.stdout and "agent --engine URL" in done.stdout and "[setup]" not in done.stdout
