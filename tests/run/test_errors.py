@@ -101,6 +101,7 @@ def test_an_unknown_flag_is_named_with_the_flag_it_is_closest_to() -> None:
     assert done.returncode == 2 and done.stderr.count("did you mean 'learner.max_steps'") == 1, done.stderr
 
 
+@pytest.mark.multiproc
 def test_launch_sh_help_describes_its_own_modes_first_without_installing_anything() -> None:
     done = subprocess.run(["./launch.sh", "--help"], cwd=REPO, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
