@@ -406,6 +406,11 @@ def _eval(ns: argparse.Namespace, rest: list[str]) -> int:
     from megatron_sao.run.evaluate import evaluate_checkpoint, table
 
     checkpoint = args.checkpoint if args.checkpoint is not None else cfg.launch.run_dir
+    if checkpoint != "none" and not Path(checkpoint).exists():  # before anything is made or started
+        flag = "--checkpoint" if args.checkpoint is not None else "launch.run_dir (the default --checkpoint)"
+        print(f"error: {flag}={checkpoint!r}: no such file or directory; give a run dir, a save dir, one checkpoint, "
+              "or 'none' for the initial weights", file=sys.stderr)  # fmt: skip
+        return 2
     try:
         result, what = evaluate_checkpoint(cfg, None if checkpoint == "none" else checkpoint)
     except (ValueError, EngineStartError) as e:
