@@ -97,3 +97,15 @@ def test_concurrent_requests_join_and_leave_the_running_batch(tiny_dirs: dict[st
         assert s.cache.free_slots == 3
     finally:
         s.stop()
+
+
+def test_a_model_dir_without_weights_is_named_without_a_traceback(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
+    import shutil
+
+    import pytest
+
+    from megatron_sao.engines.embedded.model_runner import load_engine_model
+
+    shutil.copy(tiny_dirs["qwen3_moe"] / "config.json", tmp_path / "config.json")
+    with pytest.raises(ValueError, match=r"holds config.json but no weights \(\*.safetensors\)"):
+        load_engine_model(tmp_path)

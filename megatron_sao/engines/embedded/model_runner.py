@@ -109,6 +109,9 @@ def load_engine_model(
     torch_dtype = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
     if torch_dtype is None:
         raise ValueError(f"dtype={dtype!r}; use auto, float32 or bfloat16")
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(f"{path} holds config.json but no weights (*.safetensors): copy the model's shards there, or "
+                         "convert a trained checkpoint (tools/convert_megatron_to_hf.py)")  # fmt: skip
     check_safetensors(path)
     fmt = fp8.checkpoint_format(path)
     if tp_size > 1:
