@@ -316,12 +316,14 @@ class _Run:
         self.batches = Batches(self.receiver, n, group, extra.get("held"), cfg.bus) if self.rank0 else None
         self.sync = _weight_sync(learner, cfg, engine_urls) if engine_urls else None
         la = cfg.launch
-        self.metrics_log = MetricsLog(self.run_dir, la.tensorboard, la.wandb, cfg) if self.rank0 else None
+        self.counters = extra.get("counters") or {"steps": self.pretrain.steps + learner.version, "trajectories": 0,
+                                                  "tokens": 0}  # fmt: skip
+        # a resumed run drops what the run before it recorded past its checkpoint: those steps are trained again
+        resumed_at = self.counters["steps"] if self.resume is not None else None
+        self.metrics_log = MetricsLog(self.run_dir, la.tensorboard, la.wandb, cfg, resumed_at) if self.rank0 else None
         self.ledger = (TrajectoryLedger(self.run_dir / "trajectories.jsonl", learner.version, self.pretrain.steps)
                        if self.rank0 else None)  # fmt: skip
         self.display = StepDisplay(cfg.learner.max_steps, learner.version, la.display) if self.rank0 else None
-        self.counters = extra.get("counters") or {"steps": self.pretrain.steps + learner.version, "trajectories": 0,
-                                                  "tokens": 0}  # fmt: skip
         self.engines = EngineWeights(learner, self.sync, cfg.weight_sync, deferred=cfg.algo.name == "grpo_async")
         self.evals = None
         if self.rank0 and cfg.eval.interval and engine_urls:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import json
 import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -249,15 +251,22 @@ class MetricsLog:
     """Where rank 0's records go: one JSON line each in <run_dir>/metrics.jsonl, every numeric value as a TensorBoard
     scalar at global step `step` (launch.tensorboard), and to wandb (launch.wandb)."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, wandb: str | None = None, config: Any = None) -> None:
+    def __init__(self, run_dir: Path, tensorboard: bool = True, wandb: str | None = None, config: Any = None,
+                 resumed_at: int | None = None) -> None:  # fmt: skip
+        """`resumed_at`: the step of the checkpoint a run resumed from; what an earlier run recorded past it (steps it
+        trained after its last checkpoint, trained again now) is dropped from metrics.jsonl and TensorBoard, so every
+        step is recorded once."""
+        if resumed_at is not None:
+            _drop_after(run_dir / "metrics.jsonl", resumed_at)
         self.file = JsonlAppender(run_dir / "metrics.jsonl", "launch.run_dir")
         self.tb = None
         self.tb_dir = run_dir / "tensorboard"
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            try:
-                self.tb = SummaryWriter(log_dir=str(self.tb_dir))
+            try:  # purge_step: TensorBoard drops the earlier runs' events from that step on
+                purge = None if resumed_at is None else resumed_at + 1
+                self.tb = SummaryWriter(log_dir=str(self.tb_dir), purge_step=purge)
             except OSError as e:
                 raise self._tb_failed(e) from e
         self.wandb = None
@@ -298,6 +307,28 @@ class MetricsLog:
                 raise self._tb_failed(e) from e
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _drop_after(path: Path, step: int) -> None:
+    """Rewrite metrics.jsonl without the records of steps after `step` (a line that does not parse is kept)."""
+    if not path.is_file():
+        return
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            late = int(json.loads(line).get("step", 0)) > step
+        except (ValueError, AttributeError, TypeError):
+            late = False
+        if late:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+        log.info("resumed at step %d: dropped %d records of later steps from %s (they are trained again)", step,
+                 dropped, path)  # fmt: skip
 
 
 def _start_wandb(run_dir: Path, mode: str, config: Any) -> Any:

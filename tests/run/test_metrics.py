@@ -171,3 +171,29 @@ def test_docs_show_the_schemas_the_code_has() -> None:
     docs = (REPO / "docs" / "run.md").read_text()
     for record in RECORDS:
         assert schema_table(record) in docs, f"paste run.metrics.schema_table({record!r}) into docs/run.md"
+
+
+def test_a_resumed_run_records_every_step_once_in_metrics_and_tensorboard(tmp_path: Path) -> None:
+    """A run that trained steps 1-6 and checkpointed at 4 resumes at 4 and trains 5-8: metrics.jsonl and TensorBoard
+    then hold steps 1-8 once each, the resumed run's values for 5 and 6 (twice: two resumes)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_sao.run.metrics import MetricsLog
+
+    def train(first: int, last: int, resumed_at: int | None, run: int) -> None:
+        log = MetricsLog(tmp_path, tensorboard=True, resumed_at=resumed_at)
+        for step in range(first, last + 1):
+            log.write({"step": step, "time": 1000.0 + step, "reward/mean": run * 10 + step})
+        log.close()
+
+    train(1, 6, None, 0)
+    train(5, 7, 4, 1)
+    train(7, 8, 6, 2)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert [r["reward/mean"] for r in records] == [1, 2, 3, 4, 15, 16, 27, 28]
+    acc = EventAccumulator(str(tmp_path / "tensorboard"), purge_orphaned_data=True)
+    acc.Reload()
+    events = acc.Scalars("reward/mean")
+    assert [e.step for e in events] == list(range(1, 9))
+    assert [e.value for e in events] == [1, 2, 3, 4, 15, 16, 27, 28]
