@@ -133,7 +133,7 @@ class SlurmRun:
         self.critic = next((Running(s, self.logs, srun_args) for s in steps if s.role == "critic"), None)
         self.workers = [Running(s, self.logs, srun_args) for s in steps if s.role == "worker"]
         self.signum = 0
-        from megatron_sao.run.learn import STOP_FILE
+        from megatron_sao.files import STOP_FILE
 
         self.stop_file = Path(cfg.launch.run_dir) / STOP_FILE
 

@@ -39,6 +39,7 @@ from megatron_sao.config.weight_sync import WeightSyncConfig
 from megatron_sao.distributed.bootstrap import DistContext
 from megatron_sao.distributed.dirlock import DirLock
 from megatron_sao.engines.protocol import agent_url
+from megatron_sao.files import STOP_FILE
 from megatron_sao.learner.checkpoint import checkpoint_dir, own_checkpoint_dir
 from megatron_sao.run.batches import Batches
 from megatron_sao.run.display import StepDisplay
@@ -50,7 +51,6 @@ log = logging.getLogger(__name__)
 DUPLICATE_SIGNAL_S = 2.0
 """A second SIGTERM / SIGINT later than this after the first stops the learner at once."""
 
-STOP_FILE = "STOP"
 """<run_dir>/STOP asks the learner to checkpoint and stop (launch/slurm.py writes it; the learner removes it once it
 has stopped, the launcher before it starts one)."""
 

@@ -25,6 +25,7 @@ from typing import Any
 from megatron_sao.config.tree import SAOConfig
 from megatron_sao.distributed.spawn import child_env
 from megatron_sao.engines import sglang_launcher as engines
+from megatron_sao.files import STOP_FILE
 from megatron_sao.models.tiny import make_configured
 
 log = logging.getLogger(__name__)
@@ -93,10 +94,14 @@ def run_local(cfg: SAOConfig, config_path: str, overrides: list[str]) -> dict[st
             value_job = _start_value_job(cfg, config_path, overrides, bridge, logs)
         if cfg.launch.learner_world_size > 1:
             first_worker()  # torchrun's ranks resume and push on their own; tokens before that are just stale
-            return _torchrun_learner(cfg, config_path, overrides, urls, logs, bridge)
-        from megatron_sao.run.learn import learn
+            summary = _torchrun_learner(cfg, config_path, overrides, urls, logs, bridge)
+        else:
+            from megatron_sao.run.learn import learn
 
-        return learn(cfg, urls, on_ready=first_worker, critic_bridge=bridge)
+            summary = learn(cfg, urls, on_ready=first_worker, critic_bridge=bridge)
+        if supervisor.gave_up is not None:
+            raise RoleFailed(supervisor.gave_up)
+        return summary
     finally:
         if value_job is not None:
             _stop_value_job(value_job)
@@ -112,6 +117,15 @@ def run_local(cfg: SAOConfig, config_path: str, overrides: list[str]) -> dict[st
                     worker.kill()
                     worker.wait()
         engines.stop(procs)
+
+
+def _last_line(tail: str) -> str:
+    """A log's last non-empty line (the error of a traceback): what the terminal shows; the rest stays in the log."""
+    return next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "(empty log)")
+
+
+class RoleFailed(RuntimeError):
+    """A role of a local run kept failing past launch.max_restarts; the run stopped (after a checkpoint)."""
 
 
 def listener_of(port: int) -> tuple[int | None, str] | None:
@@ -176,6 +190,15 @@ class Supervisor(threading.Thread):
         self.start_worker, self.logs = start_worker, logs
         self.stop = threading.Event()
         self.restarts: dict[str, int] = {}
+        self.gave_up: str | None = None  # why the run cannot go on (a role that kept failing), once it is known
+
+    def give_up(self, why: str) -> None:
+        """A role the run needs is gone for good: ask the learner to stop (the STOP file: it checkpoints and exits)
+        and remember why, so the run ends non-zero with this one message instead of waiting forever."""
+        if self.gave_up is None:
+            self.gave_up = why
+            log.error("%s; stopping the run", why)
+            (self.logs.parent / STOP_FILE).write_text(f"run supervisor: {why}\n")
 
     def run(self) -> None:
         while not self.stop.wait(self.POLL_S):
@@ -194,12 +217,13 @@ class Supervisor(threading.Thread):
         n = self.restarts.get(what, 0)
         if n >= self.max_restarts:
             if n == self.max_restarts:
-                log.error("%s exited (%s) again; not restarting it after %d restarts", what, code, n)
                 self.restarts[what] = n + 1
+                self.give_up(f"{what} exited with {code} after {n} restart(s) (launch.max_restarts); its log in "
+                             f"{self.logs} ends with: {_last_line(tail)}")  # fmt: skip
             return False
         self.restarts[what] = n + 1
-        log.error("%s exited with %s; restarting it (%d/%d). Its log ends:\n%s", what, code, n + 1,
-                  self.max_restarts, tail)  # fmt: skip
+        log.error("%s exited with %s; restarting it (%d/%d). Its log in %s ends with: %s", what, code, n + 1,
+                  self.max_restarts, self.logs, _last_line(tail))  # fmt: skip
         print(f"[run] {what} exited with {code}; restarted ({n + 1}/{self.max_restarts})", flush=True)
         return True
 

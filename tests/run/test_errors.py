@@ -111,3 +111,24 @@ def test_launch_sh_help_describes_its_own_modes_first_without_installing_anythin
     lines = done.stdout.splitlines()
     assert lines[0] == "Start megatron-sao." and lines[1].startswith("  ./launch.sh ")
     assert "./launch.sh style" in done.stdout and "agent --engine URL" in done.stdout and "[setup]" not in done.stdout
+
+
+@pytest.mark.multiproc
+def test_a_worker_that_always_fails_ends_the_run_with_one_message(tiny_hf_dir: Any, tmp_path: Path) -> None:
+    """A rollout worker that dies at every start (an environment option its class does not take): after
+    launch.max_restarts the run stops the learner (it checkpoints) and exits 1 with one line naming the worker, its
+    log and its last line -- instead of a learner waiting for trajectories forever."""
+    import json
+    import time
+
+    run_dir = tmp_path / "run"
+    cmd = _cmd(tiny_hf_dir("qwen3_moe"), run_dir, "--launch.max_restarts", "1", "--rollout.env.options",
+               json.dumps({"no_such_option": 1}), "--learner.max_steps", "50")  # fmt: skip
+    t0 = time.monotonic()
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400, env=_env())
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "rollout worker exited with" in errors[0] and "no_such_option" in errors[0], errors
+    assert str(run_dir / "logs") in errors[0] and "Traceback" not in done.stdout + done.stderr
+    assert not (run_dir / "STOP").exists()  # the learner took the request and removed it
+    assert time.monotonic() - t0 < 300
