@@ -27,7 +27,10 @@ def missing_model(cfg: SAOConfig) -> str | None:
 
 
 def _environment(cfg: SAOConfig) -> list[str]:
-    from megatron_sao.rollout.envs import REGISTRY, env_class
+    try:
+        from megatron_sao.rollout.envs import REGISTRY, env_class
+    except ImportError:  # a login node with the config tools but not the rollout stack: the worker checks it
+        return []
 
     name = cfg.rollout.env.name
     try:
