@@ -148,11 +148,20 @@ class AgentState:
         plan = parts(sizes, self.part_bytes)
         pause = self.pause_always or not self.engine_protocol.staged
         loaded = False
+        phases = self.stats.setdefault("phases_s", {})
+
+        def lap(phase: str, since: float) -> float:
+            now = time.monotonic()
+            phases[phase] = phases.get(phase, 0.0) + now - since
+            return now
+
         try:
+            t = lap("plan", t0)
             if pause:
                 engine.pause_generation("in_place")
-            paused_at = time.monotonic()
+            paused_at = t = lap("pause", t)
             _begin(engine)
+            t = lap("begin", t)
             for i, names in enumerate(plan):
                 entries = [r.lend(names)]
                 if r.peers is not None:
@@ -160,15 +169,19 @@ class AgentState:
                     if (refused := refusals(replies)) is not None:
                         raise WeightUpdateError(refused)
                     entries += [x.value for x in replies]
+                t = lap("lend", t)
                 last = i == len(plan) - 1
                 loaded = True
                 engine.update_weights_from_tensor(entries, load_format=self.handover.load_format,
                                                   weight_version=version if last else None, flush_cache=False,
                                                   timeout_s=HANDOVER_TIMEOUT_S)  # fmt: skip
+                t = lap("load", t)
                 r.returned()
                 if r.peers is not None:
                     r.peers.call("weights", "returned")
+                t = lap("lend", t)
             engine.end_weight_update()
+            t = lap("end", t)
         except (EngineError, OSError, WeightUpdateError) as e:
             self.stats["failed"] += 1
             _quietly(engine.end_weight_update)
@@ -182,7 +195,7 @@ class AgentState:
         self.partial = None
         if pause:
             engine.continue_generation()
-        done = time.monotonic()
+        done = lap("continue", t)
         self.stats["handovers"] += 1
         self.stats["parts"] += len(plan)
         self.stats["handover_s"] += done - t0
