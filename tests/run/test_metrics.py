@@ -197,3 +197,26 @@ def test_a_resumed_run_records_every_step_once_in_metrics_and_tensorboard(tmp_pa
     events = acc.Scalars("reward/mean")
     assert [e.step for e in events] == list(range(1, 9))
     assert [e.value for e in events] == [1, 2, 3, 4, 15, 16, 27, 28]
+
+
+def test_plots_smooth_each_curve_and_label_both_axes(tmp_path: Path) -> None:
+    """The figures (run/plot.py): each curve's raw points faint under its rolling mean, the y axis named, and
+    throughput also per wall second, against wall-clock minutes."""
+    from megatron_sao.run.plot import figure, plot_runs, read_steps, rolling_mean, smoothing_window
+
+    assert rolling_mean([1, 2, 3, 4], 2) == [1.0, 1.5, 2.5, 3.5] and smoothing_window(5) == 1
+    records = [{"step": i, "time": 1000.0 + 2 * i, "time/step": 2.0, "step/trajectories": 4, "step/tokens": 100.0,
+                "reward/mean": float(i % 3), "throughput/tokens_per_s": 50.0} for i in range(1, 41)]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    runs = [("run", read_steps(tmp_path))]
+    fig = figure("reward", runs, [[]])
+    (ax,) = fig.axes
+    assert ax.get_xlabel() == "learner step" and ax.get_ylabel() == "reward"
+    raw, smooth = ax.get_lines()
+    assert raw.get_alpha() == 0.3 and smooth.get_label() == "run (mean of 4)"
+    assert list(smooth.get_ydata()) == rolling_mean([float(i % 3) for i in range(1, 41)], 4)
+    wall = figure("throughput_wall", runs, [[]]).axes[0]
+    assert wall.get_xlabel() == "wall-clock minutes" and wall.get_ylabel() == "tokens / s"
+    xs, ys = wall.get_lines()[0].get_data()
+    assert xs[0] == 2 / 60 and all(abs(y - 50.0) < 1e-9 for y in ys)  # 100 tokens every 2 s
+    assert {p.stem for p in plot_runs([tmp_path], tmp_path / "plots")} >= {"reward", "throughput", "throughput_wall"}
