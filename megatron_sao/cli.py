@@ -269,7 +269,10 @@ def _run(ns: argparse.Namespace, rest: list[str]) -> int:
     from megatron_sao.run.plot import plot_runs
     from megatron_sao.run.summary import describe, summarize
 
-    print(f"[run] done: {summary}", flush=True)
+    if summary.get("version") is not None:  # (a torchrun learner reports only its seconds)
+        stopped = f", stopped by {summary['stopped']}" if summary.get("stopped") else ""
+        print(f"[run] done: version {summary['version']} after {summary.get('steps', 0)} step(s) in this "
+              f"run{stopped}; checkpoints in {summary.get('save_dir')}", flush=True)  # fmt: skip
     run_dir = Path(cfg.launch.run_dir)
     done = summarize(run_dir)
     if done.get("policy_steps"):

@@ -2,7 +2,9 @@
 tools and tests).
 
 Reward before: the mean over the value pre-training steps (their rollouts all come from the initial policy), else
-over the first `window` policy steps; after: the mean over the last `window` policy steps.
+over the first `window` policy steps; after: the mean over the last `window` policy steps (both windows shrink to
+half the steps on a short run, so they never overlap). Seconds: the steps' own time (`time/step` summed: waiting for
+trajectories, training, pushing, saving), so the gap between a stopped run and its resume is not counted.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ def summarize(run_dir: str | Path, window: int = 10) -> dict[str, Any]:
     out: dict[str, Any] = {"run_dir": str(run_dir), "policy_steps": len(steps), "pretrain_steps": len(pretrain)}
     if not steps:
         return out
+    window = min(window, max(1, len(steps) // 2)) if not pretrain else min(window, len(steps))
     first = pretrain or steps[:window]
     out["reward_before"] = statistics.fmean(r["reward/mean"] for r in first)
     out["reward_before_from"] = "value pre-training rollouts" if pretrain else f"first {len(first)} steps"
     out["reward_after"] = statistics.fmean(r["reward/mean"] for r in steps[-window:])
+    out["window"] = window
     out["trajectories"] = int(sum(r.get("step/trajectories", 0) for r in rewarded))
-    out["seconds"] = rewarded[-1]["time"] - rewarded[0]["time"] + rewarded[0].get("time/step", 0.0)
+    out["seconds"] = sum(r.get("time/step", 0.0) for r in rewarded)
     out["tokens_per_s"] = sum(r.get("tokens/generated", 0.0) for r in rewarded) / max(out["seconds"], 1e-9)
     out["first_version"] = steps[0]["weight_version"] - 1
     out["final_version"] = steps[-1]["weight_version"]
@@ -39,7 +43,7 @@ def describe(s: dict[str, Any]) -> str:
     if "reward_after" not in s:
         return f"[run] no policy step recorded in {s['run_dir']}/metrics.jsonl"
     return (f"[run] reward {s['reward_before']:.3f} ({s['reward_before_from']}) -> {s['reward_after']:.3f} (last "
-            f"{min(10, s['policy_steps'])} steps); {s['policy_steps']} policy steps after {s['pretrain_steps']} value "
-            f"pre-training steps, {s['trajectories']} trajectories, {s['tokens_per_s']:.0f} generated tokens/s, "
-            f"{s['seconds']:.0f}s; versions {s['first_version']} -> {s['final_version']}; run dir {s['run_dir']} "
-            "(metrics.jsonl, tensorboard/, reward.png)")  # fmt: skip
+            f"{s['window']} steps); {s['policy_steps']} policy steps after {s['pretrain_steps']} value "
+            f"pre-training steps, {s['trajectories']} trajectories, {s['tokens_per_s']:.0f} generated tokens/s over "
+            f"{s['seconds']:.0f}s of steps; versions {s['first_version']} -> {s['final_version']}; run dir "
+            f"{s['run_dir']} (metrics.jsonl, tensorboard/, reward.png)")  # fmt: skip

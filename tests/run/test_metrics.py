@@ -220,3 +220,18 @@ def test_plots_smooth_each_curve_and_label_both_axes(tmp_path: Path) -> None:
     xs, ys = wall.get_lines()[0].get_data()
     assert xs[0] == 2 / 60 and all(abs(y - 50.0) < 1e-9 for y in ys)  # 100 tokens every 2 s
     assert {p.stem for p in plot_runs([tmp_path], tmp_path / "plots")} >= {"reward", "throughput", "throughput_wall"}
+
+
+def test_the_summary_counts_step_time_and_keeps_its_windows_apart(tmp_path: Path) -> None:
+    """A 12-step run resumed after an hour: its seconds are the steps' own (not the hour), and the before/after
+    reward windows (6 steps each on a short run) do not overlap."""
+    from megatron_sao.run.summary import describe, summarize
+
+    records = [{"step": i, "time": 1000.0 + 2 * i + (3600 if i > 6 else 0), "time/step": 2.0, "weight_version": i,
+                "step/trajectories": 4, "reward/mean": 0.0 if i <= 6 else 1.0, "tokens/generated": 10.0}
+               for i in range(1, 13)]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    s = summarize(tmp_path)
+    assert s["seconds"] == 24.0 and s["tokens_per_s"] == 120 / 24
+    assert s["window"] == 6 and s["reward_before"] == 0.0 and s["reward_after"] == 1.0
+    assert "(last 6 steps)" in describe(s) and "over 24s of steps" in describe(s)
