@@ -256,8 +256,13 @@ def _run(ns: argparse.Namespace, rest: list[str]) -> int:
         if args.dry_run:
             print("error: --dry-run shows a launch.mode=slurm plan; this config is launch.mode=local", file=sys.stderr)
             return 2
-        from megatron_sao.run.local import run_local
+        from megatron_sao.config import load_config
+        from megatron_sao.run.local import free_ports, run_local
 
+        moved = free_ports(cfg, overrides)  # another run on this machine holds the default ports: take free ones
+        if moved:
+            overrides = [*overrides, *moved]
+            cfg = load_config(args.config, overrides)
         with DirLock(cfg.launch.run_dir, "run"):  # before anything is written: one run per run dir
             summary = run_local(cfg, args.config, overrides)
     except (ValueError, EngineStartError, DirLocked, DiskFull) as e:  # a setting to fix (named), an engine that

@@ -144,6 +144,54 @@ def listener_of(port: int) -> tuple[int | None, str] | None:
     return None
 
 
+def free_ports(cfg: SAOConfig, overrides: list[str]) -> list[str]:
+    """Overrides that move the engines and the bus off ports another process listens on, so two local runs (or a
+    run beside a leftover) start side by side; empty when every port is free. A port given on the command line is
+    kept (and refused by _refuse_taken_ports if taken): the user asked for it."""
+    from megatron_sao.distributed.spawn import find_free_port
+
+    given = {o.split("=", 1)[0] for o in overrides if o.startswith("--")}
+    moves: list[str] = []
+    r = cfg.rollout
+    if not r.engine_urls and "--rollout.base_port" not in given:
+        offsets = [0] + ([cfg.weight_sync.agent_port_offset] if cfg.weight_sync.agent else [])
+        block = [r.base_port + i + o for i in range(r.num_engines) for o in offsets]
+        if any(listener_of(p) is not None for p in block):
+            base = _free_block(r.num_engines, offsets, find_free_port)
+            print(f"[run] ports {r.base_port}..{r.base_port + r.num_engines - 1} (rollout.base_port) are taken; the "
+                  f"engines use {base}.. instead", flush=True)  # fmt: skip
+            moves += ["--rollout.base_port", str(base)]
+    if cfg.bus.bind.startswith("tcp://") and "--bus.bind" not in given:
+        host, _, port = cfg.bus.bind.removeprefix("tcp://").rpartition(":")
+        if listener_of(int(port)) is not None:
+            new = find_free_port(host)
+            print(f"[run] port {port} (bus.bind) is taken; the bus binds {new} instead", flush=True)
+            moves += ["--bus.bind", f"tcp://{host}:{new}"]
+    return moves
+
+
+def _free_block(n: int, offsets: list[int], find: Callable[[], int]) -> int:
+    """A base port whose next n ports (each also at every offset) nobody listens on."""
+    import socket
+
+    for _ in range(64):
+        base = find()
+        ports = [base + i + o for i in range(n) for o in offsets]
+        if max(ports) > 65535:
+            continue
+        ok = True
+        for p in ports:
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise ValueError(f"no block of {n} free ports found for the engines: set rollout.base_port")
+
+
 def _refuse_taken_ports(cfg: SAOConfig) -> None:
     """A leftover engine or learner of another run on our ports would answer our health checks and take our
     trajectories: refuse to start, naming the port, the process and the field to change."""

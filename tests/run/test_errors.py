@@ -132,3 +132,51 @@ def test_a_worker_that_always_fails_ends_the_run_with_one_message(tiny_hf_dir: A
     assert str(run_dir / "logs") in errors[0] and "Traceback" not in done.stdout + done.stderr
     assert not (run_dir / "STOP").exists()  # the learner took the request and removed it
     assert time.monotonic() - t0 < 300
+
+
+def test_a_local_run_moves_off_ports_another_process_holds_unless_they_were_asked_for() -> None:
+    """Two local runs on one machine: the second finds the default engine and bus ports taken and takes free ones
+    (run/local.py free_ports), printing which; a port given on the command line is kept (and refused if taken)."""
+    import socket
+
+    from megatron_sao.run.local import free_ports, listener_of
+
+    cfg = load_config("examples/tiny_cpu/config.yaml", ["--rollout.num_engines", "2"])
+    held = []
+    for port in (cfg.rollout.base_port + 1, int(cfg.bus.bind.rsplit(":", 1)[1])):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            pytest.skip(f"port {port} is held by something else on this machine")
+        sock.listen()
+        held.append(sock)
+    try:
+        moves = free_ports(cfg, [])
+        assert moves[0] == "--rollout.base_port" and moves[2] == "--bus.bind", moves
+        base = int(moves[1])
+        assert all(listener_of(base + i) is None for i in range(2)) and base != cfg.rollout.base_port
+        assert listener_of(int(moves[3].rsplit(":", 1)[1])) is None
+        assert free_ports(cfg, ["--rollout.base_port", str(cfg.rollout.base_port), "--bus.bind", cfg.bus.bind]) == []
+    finally:
+        for sock in held:
+            sock.close()
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_two_local_runs_side_by_side_on_default_ports_both_finish(tiny_hf_dir: Any, tmp_path: Path) -> None:
+    hf = str(tiny_hf_dir("qwen3_moe"))
+    cmds = [[sys.executable, "-m", "megatron_sao", "run", "examples/tiny_cpu/config.yaml", "--model.hf_path", hf,
+             "--launch.run_dir", str(tmp_path / f"run{i}"), "--learner.max_steps", "2",
+             "--learner.trajectories_per_step", "4", "--rollout.sampling.max_new_tokens", "8"] for i in range(2)]  # fmt: skip
+    first = subprocess.Popen(cmds[0], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=_env())  # fmt: skip
+    import time
+
+    time.sleep(20)  # the first holds its engine and bus ports by now
+    second = subprocess.run(cmds[1], cwd=REPO, capture_output=True, text=True, timeout=600, env=_env())
+    out, _ = first.communicate(timeout=600)
+    assert first.returncode == 0, out[-3000:]
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
