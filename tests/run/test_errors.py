@@ -168,9 +168,10 @@ def test_a_local_run_moves_off_ports_another_process_holds_unless_they_were_aske
 @pytest.mark.multiproc
 def test_two_local_runs_side_by_side_on_default_ports_both_finish(tiny_hf_dir: Any, tmp_path: Path) -> None:
     hf = str(tiny_hf_dir("qwen3_moe"))
+    small = ["--learner.max_steps", "2", "--learner.trajectories_per_step", "4", "--rollout.sampling.max_new_tokens",
+             "8"]  # fmt: skip
     cmds = [[sys.executable, "-m", "megatron_sao", "run", "examples/tiny_cpu/config.yaml", "--model.hf_path", hf,
-             "--launch.run_dir", str(tmp_path / f"run{i}"), "--learner.max_steps", "2",
-             "--learner.trajectories_per_step", "4", "--rollout.sampling.max_new_tokens", "8"] for i in range(2)]  # fmt: skip
+             "--launch.run_dir", str(tmp_path / f"run{i}"), *small] for i in range(2)]  # fmt: skip
     first = subprocess.Popen(cmds[0], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env=_env())  # fmt: skip
     import time
