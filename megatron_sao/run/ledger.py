@@ -44,6 +44,7 @@ class LedgerReport:
     voided: int = 0  # consumed after the checkpoint a later start resumed from (trained again after it)
     stale_dropped: int = 0
     pending: int = 0
+    pending_trained: int = 0  # of `pending`: trained after the last checkpoint (the next run trains them again)
     failed_episodes: int = 0
     dropped_groups: int = 0
     undelivered: int = 0
@@ -59,10 +60,18 @@ class LedgerReport:
     def ok(self) -> bool:
         return not self.violations
 
+    def _unaccounted(self) -> str:
+        rest = self.produced - self.consumed - self.stale_dropped - (self.pending - self.pending_trained)
+        return f" + {rest} otherwise accounted for (below)" if rest else ""
+
     def describe(self, limit: int = 20) -> str:
+        waiting = self.pending - self.pending_trained
         lines = [
-            f"produced {self.produced}, consumed {self.consumed} (+{self.voided} voided by restarts), dropped as "
-            f"stale {self.stale_dropped}, pending in spools {self.pending}; failed episodes {self.failed_episodes}, "
+            f"produced {self.produced} = consumed {self.consumed} + dropped as stale {self.stale_dropped} + waiting "
+            f"{waiting} (sent, not yet trained){self._unaccounted()}; pending in spools {self.pending}: the {waiting} "
+            f"waiting and {self.pending_trained} trained after the last checkpoint (the spool keeps a trajectory until "
+            "a checkpoint covers it: the next run trains those again, once)",
+            f"consumed {self.consumed} (+{self.voided} voided by restarts); failed episodes {self.failed_episodes}, "
             f"dropped groups {self.dropped_groups}, undelivered at a stop {self.undelivered} (prompts left pending), "
             f"prompts done {self.prompts_done}; lost in a crash and generated again {self.regenerated} (re-queued "
             f"{self.requeued}), cut before "
@@ -246,6 +255,7 @@ def check_ledger(
     pending = spooled_ids(Path(spool_dir) if spool_dir else run / "spool")
     report.produced, report.consumed = len(side.produced), len(consumed)
     report.stale_dropped, report.pending, report.prompts_done = len(stale), len(pending | held), len(side.done_prompts)
+    report.pending_trained = len((pending | held) & set(counts))
     workers = {line["worker"] for line in worker_lines}
     started = {line["worker"] for line in worker_lines if line.get("event") == "start"}
     _check_training(learner_lines, side, workers, started, counts, report)

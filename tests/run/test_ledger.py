@@ -113,3 +113,15 @@ def test_a_trajectory_from_a_producer_that_never_started_is_a_violation(tmp_path
         "trajectory x was trained from producer 'intruder', which never registered a start "
         "in ledger/<worker>.jsonl: not one of this run's rollout workers"
     ]
+
+
+def test_the_ledger_summary_adds_up_for_a_reader() -> None:
+    """produced = consumed + stale + waiting; the spool's count names the part of it already trained (kept until a
+    checkpoint covers it), which is why consumed + pending may exceed produced."""
+    from megatron_sao.run.ledger import LedgerReport
+
+    r = LedgerReport(produced=115, consumed=96, stale_dropped=0, pending=67, pending_trained=48)
+    first = r.describe().splitlines()[0]
+    assert first.startswith("produced 115 = consumed 96 + dropped as stale 0 + waiting 19 (sent, not yet trained);")
+    assert "pending in spools 67: the 19 waiting and 48 trained after the last checkpoint" in first
+    assert "otherwise accounted" in LedgerReport(produced=10, consumed=5, pending=2).describe()
