@@ -342,6 +342,16 @@ def load_pretrained(learner: Learner, path: str | Path) -> None:
     learner.value_head_fitted = False  # the head stays new (zero): its bias is set from the first batch
 
 
+ARCHITECTURE_KEYS = (
+    "num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "moe_intermediate_size", "num_experts", "n_routed_experts", "num_experts_per_tok",
+    "n_shared_experts", "first_k_dense_replace", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
+    "qk_nope_head_dim", "v_head_dim", "tie_word_embeddings",
+)  # fmt: skip
+"""HF config keys that shape the weights: a checkpoint resumes only into the same values (a key absent on both
+sides is equal)."""
+
+
 def _check_compatible(learner: Learner, common: dict[str, Any], path: Path) -> None:
     saved = common.get("model", {})
     if saved.get("family") != learner.spec.family.name:
@@ -349,11 +359,17 @@ def _check_compatible(learner: Learner, common: dict[str, Any], path: Path) -> N
             f"{path} holds a {saved.get('family')} model but this learner builds {learner.spec.family.name}; "
             f"point learner.load at a checkpoint of the same model"
         )
-    keys = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads")
-    diff = {k: (saved.get("hf_config", {}).get(k), learner.spec.hf.get(k)) for k in keys}
+    diff = {k: (saved.get("hf_config", {}).get(k), learner.spec.hf.get(k)) for k in ARCHITECTURE_KEYS}
     diff = {k: v for k, v in diff.items() if v[0] != v[1]}
     if diff:
-        raise CheckpointError(f"{path} was saved for another architecture: {diff} (saved, current)")
+        shown = ", ".join(f"{k} {a} (saved) != {b} (this model)" for k, (a, b) in diff.items())
+        raise CheckpointError(f"{path} was saved for another architecture: {shown}; point learner.load (or "
+                              "launch.run_dir) at a checkpoint of this model, or model.hf_path at its "
+                              "model")  # fmt: skip
+    algo = common.get("algo")
+    if algo is not None and algo != learner.cfg.algo.name:
+        logger.warning("%s was trained with algo.name=%s; resuming it as %s (the optimizer state and schedules go "
+                       "on; the new algorithm starts from that policy)", path, algo, learner.cfg.algo.name)  # fmt: skip
 
 
 def _chained_optimizer_state(loaded: dict[Any, Any], optimizer: Any) -> Any:

@@ -126,3 +126,23 @@ def test_hf_origin_survives_every_load_and_a_refused_save_raises_on_every_rank(t
         assert rank["load_checkpoint"] == record
         assert rank["load_pretrained"] == record
         assert "already holds a checkpoint" in rank["refused"]
+
+
+def test_a_checkpoint_of_other_experts_is_refused_by_name_and_another_algorithm_is_said(caplog) -> None:
+    """_check_compatible: every weight-shaping config key (experts included) must match, named in one line; a
+    checkpoint trained with another algo.name resumes with a warning saying so."""
+    import logging
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from megatron_sao.learner.checkpoint import CheckpointError, _check_compatible
+
+    hf = {"num_hidden_layers": 2, "hidden_size": 64, "num_experts": 8}
+    learner = SimpleNamespace(spec=SimpleNamespace(family=SimpleNamespace(name="qwen3_moe"), hf=hf),
+                              cfg=SimpleNamespace(algo=SimpleNamespace(name="grpo")))  # fmt: skip
+    saved = {"model": {"family": "qwen3_moe", "hf_config": {**hf, "num_experts": 4}}, "algo": "grpo"}
+    with pytest.raises(CheckpointError, match=r"num_experts 4 \(saved\) != 8 \(this model\)"):
+        _check_compatible(learner, saved, Path("/ckpt"))
+    with caplog.at_level(logging.WARNING, logger="megatron_sao.learner.checkpoint"):
+        _check_compatible(learner, {"model": {"family": "qwen3_moe", "hf_config": hf}, "algo": "sao"}, Path("/c"))
+    assert "trained with algo.name=sao; resuming it as grpo" in caplog.text
