@@ -157,3 +157,14 @@ def test_a_config_json_that_does_not_describe_the_weights_is_named(tiny_dirs: di
     with pytest.raises(ValueError, match=r"config.json does not describe the weights in .*config.json gives \d+ "
                        r"experts, the checkpoint holds \d+"):  # fmt: skip
         load_engine_model(bad)
+
+
+def test_a_malformed_generate_field_is_named_with_a_400(engine_url: str) -> None:
+    """Each refusal names the field that is wrong: a negative max_new_tokens, an int rid, an empty text list."""
+    for body, said in (
+        (_generate(max_new_tokens=-5), "sampling_params.max_new_tokens=-5 must be >= 0"),
+        (json.dumps({"input_ids": [1, 2], "rid": 5}).encode(), "rid=5 must be a string"),
+        (json.dumps({"text": []}).encode(), "text must be a non-empty string or list of strings"),
+    ):
+        status, out = _post(engine_url, body)
+        assert status == 400 and said in out["error"]["message"], (status, out)

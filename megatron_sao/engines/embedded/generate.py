@@ -70,8 +70,11 @@ def sampling_from_json(sp: dict[str, Any], vocab_size: int) -> SamplingParams:
     for key in ("temperature", "top_p", "min_p"):  # NaN passes every comparison below: refuse it here
         if not math.isfinite(getattr(p, key)):
             raise ValueError(f"sampling_params.{key}={getattr(p, key)!r} must be a finite number")
-    if p.temperature < 0 or not 0 < p.top_p <= 1 or not 0 <= p.min_p <= 1 or p.max_new_tokens < 0:
-        raise ValueError(f"invalid sampling params {sp}: need temperature >= 0, 0 < top_p <= 1, 0 <= min_p <= 1")
+    rules = [("temperature", p.temperature >= 0, ">= 0"), ("top_p", 0 < p.top_p <= 1, "in (0, 1]"),
+             ("min_p", 0 <= p.min_p <= 1, "in [0, 1]"), ("max_new_tokens", p.max_new_tokens >= 0, ">= 0")]  # fmt: skip
+    broken = [f"sampling_params.{k}={getattr(p, k)!r} must be {rule}" for k, ok, rule in rules if not ok]
+    if broken:
+        raise ValueError("; ".join(broken))
     if p.top_k == 0 or p.top_k < -1:
         raise ValueError(f"top_k must be -1 (disable) or at least 1, got {p.top_k}")
     if any(not 0 <= t < vocab_size for t in p.stop_token_ids):
@@ -122,6 +125,8 @@ class GenerateHandler:
         if body.get("logprob_start_len", -1) not in (-1, None) or body.get("top_logprobs_num") not in (0, None):
             raise ValueError("only output-token logprobs are served (logprob_start_len=-1, top_logprobs_num=0)")
         batch = self._input_batch(body)
+        if not batch:
+            raise ValueError("text must be a non-empty string or list of strings, got an empty list")
         single = not isinstance(batch[0], list)
         batch = [batch] if single else batch
         sps = body.get("sampling_params") or {}
@@ -131,6 +136,8 @@ class GenerateHandler:
             rids = [uuid.uuid4().hex for _ in batch]
         elif isinstance(rids, str):
             rids = [rids] if single else [f"{rids}_{i}" for i in range(len(batch))]
+        elif not isinstance(rids, list) or not all(isinstance(r, str) for r in rids):
+            raise ValueError(f"rid={rids!r} must be a string (or a list of strings, one per input)")
         if not len(sps) == len(rids) == len(batch):
             raise ValueError("sampling_params / rid lists must have one entry per input")
         routes = bool(body.get("return_routed_experts")) and self.scheduler.runner.routes is not None
