@@ -122,6 +122,11 @@ class LearnerConfig(Section):
     one that covers it are written, so a resume from an older checkpoint gets the abandoned steps' trajectories again
     and trains them. Spools hold this many more save intervals of trajectories; 0 frees them at once."""
 
+    keep_checkpoints: int | None = Field(default=None, ge=1)
+    """Keep only the newest this many `iter_*` checkpoints of the policy (older ones are deleted after each save;
+    `pretrain_*`, set-aside and the critic's own checkpoints stay). None keeps every one. At least
+    fallback_checkpoints + 1: a resume may fall back over that many."""
+
     load: str | None = None
     """Checkpoint directory to resume from (any TP/EP/PP layout)."""
 
@@ -143,4 +148,8 @@ class LearnerConfig(Section):
             r: RoleOptimConfig = getattr(self, role)
             if r.min_lr > r.lr:
                 raise ValueError(f"learner.{role}.min_lr={r.min_lr} exceeds learner.{role}.lr={r.lr}; lower min_lr")
+        if self.keep_checkpoints is not None and self.keep_checkpoints < self.fallback_checkpoints + 1:
+            raise ValueError(f"learner.keep_checkpoints={self.keep_checkpoints} is fewer than the "
+                             f"learner.fallback_checkpoints={self.fallback_checkpoints} a resume may fall back over, "
+                             f"plus the latest: keep at least {self.fallback_checkpoints + 1}")  # fmt: skip
         return self

@@ -207,6 +207,21 @@ def save_checkpoint(
     return path
 
 
+def prune_checkpoints(save_dir: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` complete `iter_*` checkpoints of `save_dir` (never the one `latest` names);
+    the deleted paths. pretrain_*, partial and set-aside directories are left alone."""
+    root = Path(save_dir)
+    latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+    done = sorted((p for p in root.glob("iter_*") if p.is_dir() and re.fullmatch(r"iter_\d+", p.name)),
+                  key=lambda p: int(p.name.removeprefix("iter_")))  # fmt: skip
+    gone = [p for p in done[: max(len(done) - keep, 0)] if p.name != latest]
+    for p in gone:
+        shutil.rmtree(p)
+    if gone:
+        logger.info("learner.keep_checkpoints=%d: deleted %s", keep, ", ".join(p.name for p in gone))
+    return gone
+
+
 def _abandoned(learner: Learner, path: Path) -> bool:
     """Whether the checkpoint at `path` is ahead of the one this learner resumed from in the same directory: the run
     went back to an older checkpoint (the newer ones damaged, or learner.load chose it), so `path` holds versions

@@ -373,7 +373,7 @@ class _Run:
     def save(self, force: bool = False) -> float:
         """Collective: checkpoint on the interval (policy versions; pre-training steps) or when forced, with the bus,
         pre-training and counter state, then tell the producers it is durable; the seconds it took (0: not due)."""
-        from megatron_sao.learner.checkpoint import save_checkpoint
+        from megatron_sao.learner.checkpoint import prune_checkpoints, save_checkpoint
 
         at = (self.learner.version, self.pretrain.steps)
         count = self.pretrain.steps if self.pretrain.active else self.learner.version
@@ -389,6 +389,9 @@ class _Run:
         if self.critic is not None:  # first: a policy checkpoint then always has the critic of its step
             self.critic.save(name)
         path = save_checkpoint(self.learner, self.save_dir, extra=extra, tag=name)
+        keep = self.cfg.learner.keep_checkpoints
+        if keep is not None and self.rank0:
+            prune_checkpoints(path.parent, keep)
         if self.ledger is not None and self.batches is not None:
             self.ledger.held([t.header.trajectory_id for t in self.batches.held], self.learner.version,
                              self.pretrain.steps)  # fmt: skip

@@ -146,3 +146,20 @@ def test_a_checkpoint_of_other_experts_is_refused_by_name_and_another_algorithm_
     with caplog.at_level(logging.WARNING, logger="megatron_sao.learner.checkpoint"):
         _check_compatible(learner, {"model": {"family": "qwen3_moe", "hf_config": hf}, "algo": "sao"}, Path("/c"))
     assert "trained with algo.name=sao; resuming it as grpo" in caplog.text
+
+
+def test_pruning_keeps_the_newest_checkpoints_and_never_latest(tmp_path) -> None:
+    from megatron_sao.config import ConfigError, load_config
+    from megatron_sao.learner.checkpoint import LATEST, prune_checkpoints
+
+    for v in (2, 4, 6, 8):
+        (tmp_path / f"iter_{v:07d}").mkdir()
+    (tmp_path / "pretrain_0000003").mkdir()
+    (tmp_path / "iter_0000008.partial").mkdir()
+    (tmp_path / LATEST).write_text("iter_0000004\n")  # a resume went back to 4: latest is kept whatever its age
+    gone = prune_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in gone) == ["iter_0000002"]
+    left = ["iter_0000004", "iter_0000006", "iter_0000008", "iter_0000008.partial", "latest", "pretrain_0000003"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == left
+    with pytest.raises(ConfigError, match="learner.keep_checkpoints=1 is fewer than"):
+        load_config(None, ["--learner.keep_checkpoints", "1", "--learner.fallback_checkpoints", "1"])

@@ -61,7 +61,7 @@ def test_run_trains_syncs_and_resumes(tiny_hf_dir: Any, tmp_path: Path) -> None:
     ports = {"engine": find_free_port(), "bus": find_free_port(), "sync": find_free_port()}
     resumed_at = time.time()
     # the first run left ~60 trajectories in its spool: they come first (exactly once), so train past them
-    second = _run(hf_dir, run_dir, ports, max_steps=24)
+    second = _run(hf_dir, run_dir, ports, max_steps=24, extra=("--learner.keep_checkpoints", "3"))
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "[learner] step 24/24" in second.stdout and "step 1/" not in second.stdout
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -81,6 +81,8 @@ def test_run_trains_syncs_and_resumes(tiny_hf_dir: Any, tmp_path: Path) -> None:
         assert e["metadata"]["style"] == styles[(e["versions"][1] // STYLE_SCHEDULE["period"]) % 3], e
     assert {e["metadata"]["style"] for e in produced} == set(styles)  # 22 versions: every style came round
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter_0000024"
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("iter_*")) == [
+        "iter_0000020", "iter_0000022", "iter_0000024"]  # learner.keep_checkpoints  # fmt: skip
     assert_ledger_ok(run_dir)
 
 
