@@ -50,10 +50,6 @@ class DistContext:
     dp_group: Any = field(default=None, compare=False, repr=False)
     """This rank's data-parallel group (megatron's, context parallelism excluded); None: the whole world of one."""
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
     def is_last_stage(self) -> bool:
         """The last pipeline stage: it holds the output layer, the value head, the loss."""
         return self.pp_rank == self.pp - 1
@@ -188,3 +184,12 @@ def destroy_distributed(keep_process_group: bool = False) -> None:
     if dist.is_initialized() and not keep_process_group:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def share(obj: Any) -> Any:
+    """Collective: rank 0's `obj` on every rank of the default group (itself on a world of one)."""
+    if dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

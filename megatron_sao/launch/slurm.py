@@ -220,7 +220,8 @@ class SlurmRun:
                     continue  # a node-rank > 0 part of an engine spanning nodes
                 try:
                     held.append(SGLangClient(e.step.url or "").weight_version())
-                except Exception:
+                except (OSError, ValueError, RuntimeError) as err:  # not answering yet (or restarting): not there
+                    log.debug("%s: no weight version yet (%r)", e.step.name, err)
                     held.append(-1)
             if all(v >= version for v in held):
                 return

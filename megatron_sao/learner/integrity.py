@@ -22,10 +22,6 @@ CHECKSUMS = "checksums.json"
 CHUNK = 8 << 20
 
 
-class CheckpointIntegrityError(ValueError):
-    """A checkpoint whose files are missing, truncated or changed since they were written."""
-
-
 def partial_dir(path: Path) -> Path:
     return path.parent / f".{path.name}.partial"
 

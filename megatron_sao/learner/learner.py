@@ -234,7 +234,7 @@ class Learner:
         return plan.metrics
 
     # The two halves of a step, for a value model on its own ranks (learner.value_on_separate_ranks): the value
-    # job runs critic_step, hands the advantages to the policy job (learner/advantage_channel.py), which runs
+    # job runs critic_step, hands the advantages to the policy job (run/critic.py's bridge), which runs
     # policy_step on the same trajectories. Both split them over data-parallel ranks the same way.
 
     def critic_step(

@@ -290,9 +290,6 @@ class WeightMapping:
         self.attention = attention
         self.vocab_size = vocab_size
 
-    def megatron_names(self) -> list[str]:
-        return list(self.rules)
-
     def hf_names(self) -> list[str]:
         return list(self.hf_to_megatron)
 

@@ -62,7 +62,8 @@ def transformer_engine_installed() -> bool:
     try:
         import transformer_engine.pytorch  # noqa: F401
         from megatron.core.models.gpt import gpt_layer_specs
-    except Exception:  # ImportError, or a TE build that fails to load (OSError, RuntimeError)
+    except Exception as e:  # ImportError, or a TE build that fails to load (OSError, RuntimeError)
+        logger.debug("Transformer Engine not usable here: %r", e)
         return False
     return bool(getattr(gpt_layer_specs, "HAVE_TE", False))
 

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from megatron_sao.bus.schema import Trajectory
 from megatron_sao.config.tree import SAOConfig
-from megatron_sao.distributed.bootstrap import DistContext
+from megatron_sao.distributed.bootstrap import DistContext, share
 from megatron_sao.distributed.bridge import Bridge
 
 log = logging.getLogger(__name__)
@@ -149,15 +149,6 @@ def _gather_to_rank0(local: dict[str, np.ndarray]) -> dict[str, np.ndarray] | No
     return merged
 
 
-def _share(obj: Any) -> Any:
-    """Rank 0's object on every rank of this job."""
-    if dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 # ------------------------------------------------------------------------------------------------- the value job
 
 
@@ -204,7 +195,7 @@ class ValueJob:
 
     def recv(self) -> Request:
         msg = _REQUESTS.decode(self.bridge.recv()) if self.bridge is not None else None
-        return _share(msg)
+        return share(msg)
 
     def reply(self, msg: Reply) -> None:
         """Posted: the value job goes on (to its next update, or to a batch handed over ahead) while the policy job
@@ -329,7 +320,7 @@ class RemoteCritic:
                 got = self._expect(kind, seq)
             except Exception as e:
                 got = e
-        got = _share(got if not isinstance(got, Exception) else ("error", type(got).__name__, str(got)))
+        got = share(got if not isinstance(got, Exception) else ("error", type(got).__name__, str(got)))
         if isinstance(got, tuple) and got[:1] == ("error",):
             from megatron_sao.learner.errors import NonFiniteTraining
 

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from megatron_sao.bus.schema import Trajectory
 from megatron_sao.config.tree import SAOConfig
 from megatron_sao.config.weight_sync import WeightSyncConfig
-from megatron_sao.distributed.bootstrap import DistContext
+from megatron_sao.distributed.bootstrap import DistContext, share
 from megatron_sao.distributed.dirlock import DirLock
 from megatron_sao.engines.protocol import agent_url
 from megatron_sao.files import STOP_FILE
@@ -67,15 +67,6 @@ def _resume_path(cfg: SAOConfig) -> Path | None:
         return Path(cfg.learner.load)
     own = own_checkpoint_dir(cfg)
     return own if (own / LATEST).is_file() else None
-
-
-def _share(obj: Any) -> Any:
-    """Rank 0's object on every rank of the learner's world."""
-    if dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 class StopSignal:
@@ -184,7 +175,7 @@ class EngineWeights:
         """Collective: push the learner's weights; the same metrics on every rank, with sync/reason (rank 0: and
         time/eval_wait when an evaluation of the weights the engines hold had to finish first)."""
         waited = self.evals.hold() if self.evals is not None else 0.0
-        result: dict[str, Any] = _share(self.sync.push(self.learner.version) or None) or {}
+        result: dict[str, Any] = share(self.sync.push(self.learner.version) or None) or {}
         self.failed = bool(result.get("sync/failed"))
         if not self.failed:
             self.version = self.learner.version
@@ -347,7 +338,7 @@ class _Run:
         batch = None
         if self.batches is not None:
             batch = self.batches.next(self.engines.lagging, lambda: bool(self.stop.signum), changed)
-        batch = _share(batch)
+        batch = share(batch)
         self.stopped = self.stop.agreed()
         return None if self.stopped else batch
 
@@ -368,7 +359,7 @@ class _Run:
                 batch = self.batches.ready()
             finally:
                 self.taking_ahead = 0
-        return _share(batch)
+        return share(batch)
 
     def save(self, force: bool = False) -> float:
         """Collective: checkpoint on the interval (policy versions; pre-training steps) or when forced, with the bus,
@@ -382,8 +373,8 @@ class _Run:
         t0 = time.monotonic()
         pretraining = self.learner.version == 0 and self.pretrain.steps
         name = f"pretrain_{self.pretrain.steps:07d}" if pretraining else f"iter_{self.learner.version:07d}"
-        bus_state = _share(self.receiver.state_dict() if self.receiver is not None else None)
-        held = _share(self.batches.held_frames() if self.batches is not None else None)  # committed with the bus
+        bus_state = share(self.receiver.state_dict() if self.receiver is not None else None)
+        held = share(self.batches.held_frames() if self.batches is not None else None)  # committed with the bus
         extra = {"bus": bus_state, "pretrain": self.pretrain.state_dict(), "counters": dict(self.counters),
                  "held": held}  # fmt: skip
         if self.critic is not None:  # first: a policy checkpoint then always has the critic of its step

@@ -218,7 +218,7 @@ class Supervisor(threading.Thread):
     """Restarts an engine or the rollout worker that exits while the learner trains (launch.max_restarts each).
 
     A restarted engine comes back with its initial weights; the learner's next weight push sees it healthy again
-    and forms the update group anew with it (weight_sync/broadcaster.py), and what it generates before that is
+    and forms the update group anew with it (weight_sync/engines.py), and what it generates before that is
     stale and gated like any other stale trajectory. A restarted worker resumes from its prompt cursor."""
 
     POLL_S = 2.0

@@ -107,11 +107,6 @@ class Bucket:
         return flat_bucket.nbytes(self.contribution_slots[member])
 
     @property
-    def gather_bytes(self) -> int:
-        """The largest contribution a member other than the source sends."""
-        return max((self.contribution_bytes(m) for m in self.members if m != self.source), default=0)
-
-    @property
     def received_bytes(self) -> int:
         """What the source receives: every other member's contribution, each at an offset aligned to the widest
         dtype; the source's own pieces are read where they live."""
