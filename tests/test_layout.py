@@ -1,4 +1,4 @@
-"""The package's import graph follows the data flow (README.md "Layout"): a package imports only packages of a
+"""The package's import graph follows the data flow (docs/layout.md): a package imports only packages of a
 lower layer (helpers two stages share sit below both), and no module imports itself back through others. Every
 import counts, those inside functions too."""
 
@@ -115,18 +115,17 @@ def test_the_checks_see_a_violation(tmp_path: Path) -> None:
     ]
 
 
-def test_the_readme_layout_names_every_package_and_command() -> None:
+def test_the_layout_doc_names_every_package_and_command() -> None:
     from megatron_sao.cli import COMMANDS
 
-    readme = (PACKAGE.parent / "README.md").read_text()
-    layout = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    layout = (PACKAGE.parent / "docs" / "layout.md").read_text()
     first, *rest = layout.split("python -m megatron_sao <command>:", 1)[1].split("\n")
     lines = [first, *itertools.takewhile(lambda line: line.startswith(" " * 20), rest)]  # its continuation lines
     listed = {c.strip() for c in " ".join(lines).split(",")}
-    assert listed == set(COMMANDS), f"README layout lists {sorted(listed)}, the CLI has {sorted(COMMANDS)}"
+    assert listed == set(COMMANDS), f"docs/layout.md lists {sorted(listed)}, the CLI has {sorted(COMMANDS)}"
     packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
     missing = sorted(p for p in packages if f"  {p}/ " not in layout)
-    assert not missing, f"README layout does not show {missing}"
+    assert not missing, f"docs/layout.md does not show {missing}"
 
 
 def test_the_stages_take_the_layout_instead_of_reading_megatron_globals() -> None:
