@@ -15,7 +15,11 @@ class EvalSamplingConfig(Section):
     """0: greedy (then one sample per prompt says all there is: eval.samples_per_prompt must be 1)."""
 
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling of evaluation requests (1: all tokens)."""
+
     top_k: int = -1
+    """-1 disables top-k (SGLang's convention)."""
+
     max_new_tokens: int | None = Field(default=None, gt=0)
     """None: rollout.sampling.max_new_tokens."""
 

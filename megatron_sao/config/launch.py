@@ -16,6 +16,8 @@ class SlurmConfig(Section):
     roles (launch.nnodes + rollout_nodes + worker_nodes)."""
 
     job_name: str = "megatron-sao"
+    """--job-name of the sbatch script."""
+
     partition: str | None = None
     """--partition (None: the cluster's default)."""
 
@@ -94,6 +96,7 @@ class LaunchConfig(Section):
     """Logs, metrics and checkpoints (unless learner.save_dir says otherwise); on a shared filesystem under slurm."""
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Logging level of every role (debug also shows megatron's per-bucket lines)."""
 
     tensorboard: bool = True
     """Write every step's metrics as TensorBoard events under <run_dir>/tensorboard (tensorboard --logdir RUN_DIR)."""

@@ -30,9 +30,16 @@ class RoleOptimConfig(Section):
     """Decay after warm-up, over learner.max_steps."""
 
     weight_decay: float = Field(default=0.0, ge=0.0)
+    """Adam's decoupled weight decay (AdamW)."""
+
     adam_beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
+    """Adam's first-moment decay."""
+
     adam_beta2: float = Field(default=0.999, ge=0.0, lt=1.0)
+    """Adam's second-moment decay."""
+
     adam_eps: float = Field(default=1e-8, gt=0.0)
+    """Adam's epsilon (added to the second moment's root)."""
 
     clip_grad: float = Field(default=1.0, ge=0.0)
     """Global gradient-norm clip (0 disables)."""
@@ -48,6 +55,7 @@ class PolicyOptimConfig(RoleOptimConfig):
     """The policy's optimizer (paper: LR 1e-6, everything trainable)."""
 
     lr: float = Field(default=1e-6, gt=0.0)
+    """Peak learning rate (the paper's 1e-6)."""
 
 
 class ValueOptimConfig(RoleOptimConfig):
@@ -56,11 +64,19 @@ class ValueOptimConfig(RoleOptimConfig):
     router, norms and embeddings stay frozen."""
 
     lr: float = Field(default=5e-6, gt=0.0)
+    """Peak learning rate (the paper's 5e-6: five times the policy's)."""
+
     warmup_steps: int = Field(default=10, ge=0)
+    """Steps of linear warm-up from 0 to lr."""
+
     trainable: list[str] = Field(
         default_factory=lambda: ["*.mlp.experts.*", "*.mlp.shared_experts.*", "*.mlp.linear_fc*", "output_layer.*"]
     )
+    """What trains: every MLP and the value head (fnmatch patterns over megatron parameter names)."""
+
     frozen: list[str] = Field(default_factory=lambda: ["*.self_attention.*", "*.router.*", "*norm*", "embedding.*"])
+    """What stays frozen even where `trainable` matches: attention, router, norms, embeddings (SAO's frozen
+    attention)."""
 
 
 class LearnerConfig(Section):

@@ -17,9 +17,16 @@ class TinyModelConfig(Section):
     """A tiny random model of `model.family` with a tokenizer (models/tiny.py; tools/make_tiny_model.py's options)."""
 
     hidden: int = Field(default=64, ge=16, multiple_of=16)
+    """Hidden size."""
+
     layers: int = Field(default=2, ge=1)
+    """Transformer layers."""
+
     experts: int = Field(default=4, ge=1)
+    """Routed experts per MoE layer."""
+
     seed: int = 0
+    """Seed of the random weights."""
 
 
 class ModelConfig(Section):

@@ -14,6 +14,8 @@ class SamplingConfig(Section):
     """Sampling temperature; the learner computes log-probs at the same temperature."""
 
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1: all)."""
+
     top_k: int = Field(default=-1)
     """-1 disables top-k (SGLang's convention)."""
 
@@ -85,6 +87,8 @@ class EmbeddedEngineConfig(Section):
     """torch intra-op threads per engine process (None: torch's default)."""
 
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """The embedded engine's compute dtype (auto: float32 on the CPU, the checkpoint's otherwise)."""
+
     context_length: int | None = Field(default=None, gt=0)
     """Longest sequence per request; None uses the model's max_position_embeddings."""
 
@@ -123,6 +127,8 @@ class RolloutConfig(Section):
     """embedded: CPU engine speaking SGLang's HTTP API; sglang: real SGLang servers."""
 
     num_engines: int = Field(default=1, ge=1)
+    """Engines the run starts (each its own server; the rollout workers spread requests over them)."""
+
     base_port: int = Field(default=30000, ge=1024, le=65535)
     """Engine i listens on base_port + i."""
 
@@ -161,6 +167,8 @@ class RolloutConfig(Section):
     """In-flight episodes per rollout worker."""
 
     max_turns: int = Field(default=4, ge=1)
+    """Most generate calls of one episode (multi-turn tool use); the episode ends there."""
+
     return_routed_experts: bool = False
     """Ask the engines for each token's MoE routing (SGLang's return_routed_experts; the engines are started with
     --enable-return-routed-experts) and send it with the trajectory: the learner then logs routing/mismatch_frac,

@@ -263,3 +263,31 @@ def test_a_boolean_or_non_finite_number_is_refused_naming_the_field(override: st
     with pytest.raises(ConfigError) as e:
         load_config(example, [f"--{override}", value])
     assert override.rsplit(".", 1)[1] in str(e.value) and words in str(e.value).lower(), str(e.value)
+
+
+def test_every_config_field_says_what_it_does() -> None:
+    """Each field of every section (nested and optional ones included) has a docstring: `config show` and the docs
+    read them, and a field without one is a question for every user."""
+    import typing
+
+    from pydantic import BaseModel
+
+    from megatron_sao.config.tree import SAOConfig
+
+    def sections(annotation: object) -> list[type[BaseModel]]:
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            return [annotation]
+        return [s for arg in typing.get_args(annotation) for s in sections(arg)]
+
+    missing: list[str] = []
+
+    def walk(cls: type[BaseModel], prefix: str) -> None:
+        for name, f in cls.model_fields.items():
+            subs = sections(f.annotation)
+            if not f.description and not subs:
+                missing.append(prefix + name)
+            for sub in subs:
+                walk(sub, f"{prefix}{name}.")
+
+    walk(SAOConfig, "")
+    assert not missing, f"config fields without a docstring: {missing}"
