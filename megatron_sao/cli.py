@@ -386,6 +386,7 @@ def _rollout(ns: argparse.Namespace, rest: list[str]) -> int:
 
 @command("ledger")
 def _ledger(ns: argparse.Namespace, rest: list[str]) -> int:
+    from megatron_sao.files import TRAJECTORIES_FILE
     from megatron_sao.run.ledger import check_ledger
 
     p = argparse.ArgumentParser(prog="python -m megatron_sao ledger", description="check a run's trajectory ledger")
@@ -393,8 +394,8 @@ def _ledger(ns: argparse.Namespace, rest: list[str]) -> int:
     p.add_argument("--spool-dir", default=None, help="bus.spool_dir when not <run_dir>/spool")
     p.add_argument("--stale-log", default=None, help="the bus's stale.jsonl when not <run_dir>/stale.jsonl")
     args = p.parse_args(rest)
-    if not (Path(args.run_dir) / "trajectories.jsonl").is_file():
-        print(f"error: {args.run_dir}/trajectories.jsonl does not exist: is it a run directory?", file=sys.stderr)
+    if not (Path(args.run_dir) / TRAJECTORIES_FILE).is_file():
+        print(f"error: {args.run_dir}/{TRAJECTORIES_FILE} does not exist: is it a run directory?", file=sys.stderr)
         return 2
     report = check_ledger(args.run_dir, args.spool_dir, args.stale_log)
     print(report.describe())

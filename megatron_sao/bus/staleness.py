@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Literal
 
 from megatron_sao.bus.schema import Trajectory
-from megatron_sao.files import JsonlAppender
+from megatron_sao.files import STALE_FILE, JsonlAppender
 
 BUCKETS: tuple[float, ...] = (0, 1, 2, 4, 8, 16, 32, 64, math.inf)
 """Upper bounds (inclusive) of the staleness histogram; metric names `staleness_le_<bound>`."""
 
-LOG_NAME = "stale.jsonl"
+LOG_NAME = STALE_FILE
 
 
 def bucket_name(bound: float) -> str:

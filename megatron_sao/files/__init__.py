@@ -3,8 +3,18 @@ layer beside config/: no torch, no megatron."""
 
 from megatron_sao.files.jsonl import DiskFull, JsonlAppender, is_disk_full, no_space, read_records
 
+# What a run directory holds (launch.run_dir), named once:
 STOP_FILE = "STOP"
-"""<run_dir>/STOP: a request that the learner finish its step, checkpoint and stop (written by the Slurm launcher, the
-local run's supervisor, or a user); removed by the learner once it stopped."""
+"""A request that the learner finish its step, checkpoint and stop (written by the Slurm launcher, the local run's
+supervisor, or a user); removed by the learner once it stopped."""
+METRICS_FILE = "metrics.jsonl"
+"""One record per learner step, push and evaluation (run/metrics.py SCHEMA)."""
+TRAJECTORIES_FILE = "trajectories.jsonl"
+"""The learner's side of the trajectory ledger: what each step consumed (run/ledger.py)."""
+STALE_FILE = "stale.jsonl"
+"""The bus's record of trajectories over bus.max_staleness (bus/staleness.py; in bus.stale_log_dir)."""
+CHECKPOINTS_DIR = "checkpoints"
+"""The learner's checkpoints unless learner.save_dir says otherwise."""
 
-__all__ = ["STOP_FILE", "DiskFull", "JsonlAppender", "is_disk_full", "no_space", "read_records"]
+__all__ = ["CHECKPOINTS_DIR", "METRICS_FILE", "STALE_FILE", "STOP_FILE", "TRAJECTORIES_FILE", "DiskFull",
+           "JsonlAppender", "is_disk_full", "no_space", "read_records"]  # fmt: skip

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_sao.files import CHECKPOINTS_DIR
 from megatron_sao.learner.integrity import describe_save_error, partial_dir, verify_checksums, write_checksums
 from megatron_sao.models.checkpoint import (
     HF_SOURCE_KEY,
@@ -47,7 +48,7 @@ LATEST = "latest"
 
 def checkpoint_dir(cfg: SAOConfig) -> Path:
     """learner.save_dir, else <launch.run_dir>/checkpoints."""
-    return Path(cfg.learner.save_dir or Path(cfg.launch.run_dir) / "checkpoints")
+    return Path(cfg.learner.save_dir or Path(cfg.launch.run_dir) / CHECKPOINTS_DIR)
 
 
 def own_checkpoint_dir(cfg: SAOConfig) -> Path:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_sao.config.tree import SAOConfig
-from megatron_sao.files import read_records
+from megatron_sao.files import CHECKPOINTS_DIR, METRICS_FILE, read_records
 from megatron_sao.rollout.evaluate import Evaluation, Evaluator
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def evaluated_versions(run_dir: Path, up_to: int) -> set[int]:
     """Versions up to `up_to` (the version a run resumes at) its metrics.jsonl already holds a finished evaluation of:
     a resumed run does not measure them again (later ones belonged to steps the resume discards)."""
     out = set()
-    for record in read_records(run_dir / "metrics.jsonl"):  # a torn last line (a run that died mid-write) left out
+    for record in read_records(run_dir / METRICS_FILE):  # a torn last line (a run that died mid-write) left out
         version = record.get("eval/weight_version")
         if version is not None and not record.get("eval/given_up") and int(version) <= up_to:
             out.add(int(version))
@@ -130,7 +130,7 @@ def checkpoint_to_evaluate(path: str | Path) -> Path:
     p = Path(path)
     if not p.exists():
         raise ValueError(f"--checkpoint {p}: no such file or directory")
-    for save_dir in (p / "checkpoints", p / "checkpoints" / "policy", p):
+    for save_dir in (p / CHECKPOINTS_DIR, p / CHECKPOINTS_DIR / "policy", p):
         latest = save_dir / "latest"
         if latest.is_file():
             target = save_dir / latest.read_text().strip()

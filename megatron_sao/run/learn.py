@@ -39,7 +39,7 @@ from megatron_sao.config.weight_sync import WeightSyncConfig
 from megatron_sao.distributed.bootstrap import DistContext, share
 from megatron_sao.distributed.dirlock import DirLock
 from megatron_sao.engines.protocol import agent_url
-from megatron_sao.files import STOP_FILE
+from megatron_sao.files import STOP_FILE, TRAJECTORIES_FILE
 from megatron_sao.learner.checkpoint import checkpoint_dir, own_checkpoint_dir
 from megatron_sao.run.batches import Batches
 from megatron_sao.run.display import StepDisplay
@@ -312,7 +312,7 @@ class _Run:
         # a resumed run drops what the run before it recorded past its checkpoint: those steps are trained again
         resumed_at = self.counters["steps"] if self.resume is not None else None
         self.metrics_log = MetricsLog(self.run_dir, la.tensorboard, la.wandb, cfg, resumed_at) if self.rank0 else None
-        self.ledger = (TrajectoryLedger(self.run_dir / "trajectories.jsonl", learner.version, self.pretrain.steps)
+        self.ledger = (TrajectoryLedger(self.run_dir / TRAJECTORIES_FILE, learner.version, self.pretrain.steps)
                        if self.rank0 else None)  # fmt: skip
         self.display = StepDisplay(cfg.learner.max_steps, learner.version, la.display) if self.rank0 else None
         self.engines = EngineWeights(learner, self.sync, cfg.weight_sync, deferred=cfg.algo.name == "grpo_async")

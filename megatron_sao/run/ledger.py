@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_sao.files import read_records
+from megatron_sao.files import STALE_FILE, TRAJECTORIES_FILE, read_records
 
 SPOOL_MAGIC = b"SAOSPOOL1\n"  # bus/spool.py's file layout: MAGIC | u64 seq | u32 n_frames | u32 id_len | id ...
 _SPOOL_FIXED = struct.Struct("<QII")
@@ -242,7 +242,7 @@ def check_ledger(
     run = Path(run_dir)
     report = LedgerReport()
     worker_lines = [line for f in sorted((run / "ledger").glob("*.jsonl")) for line in _lines(f)]
-    learner_lines = _lines(run / "trajectories.jsonl")
+    learner_lines = _lines(run / TRAJECTORIES_FILE)
     for line in (*worker_lines, *learner_lines):
         if line.get("event") == "unreadable":
             report.violations.append(f"unreadable ledger line {line['where']}")
@@ -250,7 +250,7 @@ def check_ledger(
     consumed, report.voided = consumed_ids(learner_lines)
     held = held_ids(learner_lines)
     counts = Counter(consumed)
-    stale = {str(x["trajectory_id"]) for x in _lines(Path(stale_log) if stale_log else run / "stale.jsonl")
+    stale = {str(x["trajectory_id"]) for x in _lines(Path(stale_log) if stale_log else run / STALE_FILE)
              if x.get("action") == "dropped"}  # fmt: skip
     pending = spooled_ids(Path(spool_dir) if spool_dir else run / "spool")
     report.produced, report.consumed = len(side.produced), len(consumed)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_sao.bus.schema import Trajectory
-from megatron_sao.files import DiskFull, JsonlAppender, is_disk_full, no_space
+from megatron_sao.files import METRICS_FILE, DiskFull, JsonlAppender, is_disk_full, no_space
 
 log = logging.getLogger(__name__)
 
@@ -257,8 +257,8 @@ class MetricsLog:
         trained after its last checkpoint, trained again now) is dropped from metrics.jsonl and TensorBoard, so every
         step is recorded once."""
         if resumed_at is not None:
-            _drop_after(run_dir / "metrics.jsonl", resumed_at)
-        self.file = JsonlAppender(run_dir / "metrics.jsonl", "launch.run_dir")
+            _drop_after(run_dir / METRICS_FILE, resumed_at)
+        self.file = JsonlAppender(run_dir / METRICS_FILE, "launch.run_dir")
         self.tb = None
         self.tb_dir = run_dir / "tensorboard"
         if tensorboard:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_sao.files import read_records
+from megatron_sao.files import METRICS_FILE, read_records
 
 FIGURES: dict[str, tuple[str, tuple[str, ...], str]] = {
     # file stem -> (title, metric keys drawn against the step, the y axis)
@@ -47,7 +47,7 @@ def smoothing_window(n: int) -> int:
 
 
 def _records(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
+    path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run directory (launch.run_dir)?")
     return [r for r in read_records(path) if r.get("event") != "unreadable"]

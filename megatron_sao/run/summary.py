@@ -13,11 +13,11 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from megatron_sao.files import read_records
+from megatron_sao.files import METRICS_FILE, read_records
 
 
 def summarize(run_dir: str | Path, window: int = 10) -> dict[str, Any]:
-    path = Path(run_dir) / "metrics.jsonl"
+    path = Path(run_dir) / METRICS_FILE
     records = [r for r in read_records(path) if r.get("event") != "unreadable"]
     rewarded = [r for r in records if "reward/mean" in r]
     pretrain = [r for r in rewarded if r.get("weight_version") == 0 and "pretrain/samples" in r]
