@@ -45,11 +45,7 @@ def tiny_transformer_config(parallel: ParallelConfig, dtype: str = "fp32", **ove
         attention_dropout=0.0,
         perform_initialization=True,
         **numerics(dtype, use_te=False),
-        tensor_model_parallel_size=parallel.tensor,
-        pipeline_model_parallel_size=parallel.pipeline,
-        expert_model_parallel_size=parallel.expert,
-        expert_tensor_parallel_size=parallel.resolved_expert_tensor,
-        context_parallel_size=parallel.context,
+        **parallel.megatron_sizes(),
         sequence_parallel=parallel.use_sequence_parallel,
     )
     base.update(overrides)

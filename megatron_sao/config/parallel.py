@@ -49,6 +49,18 @@ class ParallelConfig(Section):
     def resolved_expert_tensor(self) -> int:
         return self.tensor if self.expert_tensor is None else self.expert_tensor
 
+    def megatron_sizes(self) -> dict[str, int | None]:
+        """The layout under megatron-core's names, as both parallel_state.initialize_model_parallel and
+        TransformerConfig take it (the one place they are spelled)."""
+        return {
+            "tensor_model_parallel_size": self.tensor,
+            "pipeline_model_parallel_size": self.pipeline,
+            "virtual_pipeline_model_parallel_size": self.virtual_pipeline,
+            "context_parallel_size": self.context,
+            "expert_model_parallel_size": self.expert,
+            "expert_tensor_parallel_size": self.resolved_expert_tensor,
+        }
+
     def data_parallel_size(self, world_size: int) -> int:
         """DP for `world_size` ranks; raises ValueError naming the fix when the sizes do not fit."""
         self.check_world_size(world_size)

@@ -136,13 +136,7 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234, timeout_s: floa
 
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
-            tensor_model_parallel_size=parallel.tensor,
-            pipeline_model_parallel_size=parallel.pipeline,
-            virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
-            context_parallel_size=parallel.context,
-            expert_model_parallel_size=parallel.expert,
-            expert_tensor_parallel_size=parallel.resolved_expert_tensor,
-            distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+            **parallel.megatron_sizes(), distributed_timeout_minutes=max(1, int(timeout_s // 60))
         )
     seed_everything(seed, ps.get_pipeline_model_parallel_rank())
     global _CURRENT
