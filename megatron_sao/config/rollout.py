@@ -126,6 +126,12 @@ class RolloutConfig(Section):
     engine: Literal["embedded", "sglang"] = "embedded"
     """embedded: CPU engine speaking SGLang's HTTP API; sglang: real SGLang servers."""
 
+    api_key: bool = True
+    """Engines answer only to their run: the launchers make an owner-only key file, <launch.run_dir>/engine_api_key,
+    start every engine (SGLang's --api-key) and push agent with it, and every process of the run sends it
+    (engines/auth.py; docs/rollout.md "Engines answer only to their run"). For engines you run yourself
+    (rollout.engine_urls), export SAO_ENGINE_API_KEY_FILE=<their key file> and it is sent to them."""
+
     num_engines: int = Field(default=1, ge=1)
     """Engines the run starts (each its own server; the rollout workers spread requests over them)."""
 

@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from megatron_sao.engines import protocol as P
+from megatron_sao.engines.auth import run_key
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,9 @@ class RetryPolicy:
 class SGLangClient:
     """Client of the SGLang native API at `url` (http://host:port)."""
 
-    def __init__(self, url: str, *, timeout_s: float = 600.0, retry: RetryPolicy | None = None) -> None:
+    def __init__(self, url: str, *, timeout_s: float = 600.0, retry: RetryPolicy | None = None,
+                 api_key: str | None = None) -> None:  # fmt: skip
+        """`api_key`: sent as `Authorization: Bearer` (SGLang's --api-key); default the run's (engines/auth.py)."""
         u = urlparse(url if "://" in url else f"http://{url}")
         if u.scheme != "http" or not u.hostname or not u.port:
             raise ValueError(f"engine url {url!r}: expected http://HOST:PORT")
@@ -108,6 +111,7 @@ class SGLangClient:
         self._host, self._port = u.hostname, u.port
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()
+        self.api_key = api_key if api_key is not None else run_key()
 
     # ---- transport ----------------------------------------------------------------------------------------------
     def _once(self, method: str, path: str, body: Any, timeout_s: float) -> tuple[int, Any]:
@@ -119,6 +123,8 @@ class SGLangClient:
                 raise _NotSent(str(e)) from e
             data = None if body is None else json.dumps(body).encode()
             headers = {"Content-Type": "application/json"} if data is not None else {}
+            if self.api_key:
+                headers["Authorization"] = f"Bearer {self.api_key}"
             conn.request(method, path, body=data, headers=headers)
             resp = conn.getresponse()
             raw = resp.read()

@@ -20,6 +20,7 @@ from pathlib import Path
 from megatron_sao.config.rollout import RolloutConfig
 from megatron_sao.config.weight_sync import WeightSyncConfig
 from megatron_sao.distributed.spawn import child_env
+from megatron_sao.engines.auth import API_KEY_FILE_ENV
 from megatron_sao.engines.client import SGLangClient
 from megatron_sao.engines.protocol import agent_url
 
@@ -52,7 +53,10 @@ def sglang_command(
     if rollout.return_routed_experts and "--enable-return-routed-experts" not in sg.extra_args:
         cmd.append("--enable-return-routed-experts")
     cmd += span_args("rollout.sglang", sg.nnodes, node_rank, dist_init_host, sg.dist_init_port + index)
-    return cmd + list(sg.extra_args)
+    cmd += list(sg.extra_args)
+    if rollout.api_key:  # SGLang takes the key on its command line only: read from the run's file as it starts
+        cmd = ["bash", "-c", f'exec "$@" --api-key "$(cat "${API_KEY_FILE_ENV}")"', "sglang", *cmd]
+    return cmd
 
 
 def span_args(section: str, nnodes: int, node_rank: int, dist_init_host: str | None, port: int) -> list[str]:

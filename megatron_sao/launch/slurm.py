@@ -330,6 +330,10 @@ def run_slurm(cfg: SAOConfig, config_path: str, overrides: list[str]) -> int:
     """Inside an allocation: run every role as a step, watch them; the exit status (module docstring)."""
     try:
         make_configured(cfg.model)  # on the first node, before any step reads the model
+        if cfg.rollout.api_key:  # the run's engine key, on the shared run dir (every step names it: steps.step_env)
+            from megatron_sao.engines.auth import API_KEY_FILE_ENV, ensure_key
+
+            os.environ[API_KEY_FILE_ENV] = str(ensure_key(cfg.launch.run_dir))  # this launcher's own health checks
         return SlurmRun(cfg, config_path, overrides, allocation_nodes()).run()
     except LaunchError as e:
         print(f"[launch] error: {e}", file=sys.stderr, flush=True)

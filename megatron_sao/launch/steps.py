@@ -37,9 +37,15 @@ class Step:
                 *srun_args, *self.command]  # fmt: skip
 
 
-def step_env() -> dict[str, str]:
-    """What every step adds to the allocation's environment: the project on PYTHONPATH, unbuffered output."""
-    return {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+def step_env(cfg: SAOConfig) -> dict[str, str]:
+    """What every step adds to the allocation's environment: the project on PYTHONPATH, unbuffered output, and the
+    run's engine key file (rollout.api_key; the file itself on the shared run dir, made by the launcher)."""
+    from megatron_sao.engines.auth import API_KEY_FILE_ENV, KEY_FILE
+
+    env = {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    if cfg.rollout.api_key:
+        env[API_KEY_FILE_ENV] = str(Path(cfg.launch.run_dir) / KEY_FILE)
+    return env
 
 
 def build_steps(
@@ -57,7 +63,7 @@ def build_steps(
             "engine",
             (node.name,),
             tuple(engine_command(r, model, e.index, node.addr, e.slot, python, rank, e.node.addr)),
-            step_env(),
+            step_env(cfg),
             e.url if rank == 0 else None,
         )  # fmt: skip
         for e in nodes.engines
@@ -70,7 +76,7 @@ def build_steps(
                 "agent",
                 (node.name,),
                 tuple(agent_command(r, cfg.weight_sync, e.index, node.addr, e.slot, python, rank, e.node.addr)),
-                step_env(),
+                step_env(cfg),
                 agent_url(e.url, cfg.weight_sync.agent_port_offset) if rank == 0 else None,
             )  # fmt: skip
             for e in nodes.engines
@@ -80,15 +86,15 @@ def build_steps(
     if nodes.critic_bridge:
         learn += ["--critic-bridge", nodes.critic_bridge]
     torchrun = _torchrun(python, nodes.rdzv, la.nnodes, la.nproc_per_node, learn)
-    steps.append(Step("learner", "learner", tuple(n.name for n in nodes.learner), tuple(torchrun), step_env()))
+    steps.append(Step("learner", "learner", tuple(n.name for n in nodes.learner), tuple(torchrun), step_env(cfg)))
     if nodes.value and nodes.value_rdzv and nodes.critic_bridge:
         critic = ["critic", config_path, "--bridge", nodes.critic_bridge, *overrides]
         cmd = _torchrun(python, nodes.value_rdzv, len(nodes.value), la.value_nproc_per_node, critic)
-        steps.append(Step("critic", "critic", tuple(n.name for n in nodes.value), tuple(cmd), step_env()))
+        steps.append(Step("critic", "critic", tuple(n.name for n in nodes.value), tuple(cmd), step_env(cfg)))
     for w in nodes.workers:
         cmd = [python, "-m", "megatron_sao", "rollout", config_path, "--engines", urls, "--worker-id", w.worker_id,
                "--shard", f"{w.shard[0]}/{w.shard[1]}", *overrides, "--bus.connect", nodes.bus_connect]  # fmt: skip
-        steps.append(Step(w.worker_id, "worker", (w.node.name,), tuple(cmd), step_env()))
+        steps.append(Step(w.worker_id, "worker", (w.node.name,), tuple(cmd), step_env(cfg)))
     return steps
 
 

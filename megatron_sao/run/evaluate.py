@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -180,6 +181,10 @@ def evaluate_checkpoint(cfg: SAOConfig, checkpoint: str | None) -> tuple[Evaluat
     # its own port: never the config's, where a live run's engines may answer (and be relabelled by this)
     rollout = cfg.rollout.model_copy(update={"engine_urls": [], "model_path": served, "num_engines": 1,
                                              "base_port": find_free_port()})  # fmt: skip
+    if rollout.api_key:  # its engines answer only to this run too (engines/auth.py)
+        from megatron_sao.engines.auth import API_KEY_FILE_ENV, ensure_key
+
+        os.environ[API_KEY_FILE_ENV] = str(ensure_key(cfg.launch.run_dir))
     commands = engines.engine_commands(rollout, served, cfg.launch.gpus_per_node or 0)
     urls = [url for url, _ in commands]
     print(f"[eval] starting {len(commands)} {rollout.engine} engine(s) on {served}: {', '.join(urls)}", flush=True)

@@ -49,6 +49,7 @@ def run_local(cfg: SAOConfig, config_path: str, overrides: list[str]) -> dict[st
                          "tiny example: python tools/make_tiny_model.py --family qwen3_moe --out <dir>)")  # fmt: skip
     _refuse_taken_ports(cfg)
     run_dir = Path(cfg.launch.run_dir)
+    use_run_key(cfg)
     logs = run_dir / "logs"
     try:
         logs.mkdir(parents=True, exist_ok=True)
@@ -142,6 +143,15 @@ def listener_of(port: int) -> tuple[int | None, str] | None:
             except psutil.Error:
                 return conn.pid, "?"
     return None
+
+
+def use_run_key(cfg: SAOConfig) -> None:
+    """rollout.api_key, for engines this process starts: the run's key file made (once) and named in this process's
+    environment, which every engine, agent, worker and client it starts inherits (engines/auth.py)."""
+    from megatron_sao.engines.auth import API_KEY_FILE_ENV, ensure_key
+
+    if cfg.rollout.api_key and not cfg.rollout.engine_urls:
+        os.environ[API_KEY_FILE_ENV] = str(ensure_key(cfg.launch.run_dir))
 
 
 def free_ports(cfg: SAOConfig, overrides: list[str]) -> list[str]:

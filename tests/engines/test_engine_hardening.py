@@ -12,7 +12,10 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
+
+import pytest
 
 from megatron_sao.engines.client import SGLangClient
 
@@ -168,3 +171,27 @@ def test_a_malformed_generate_field_is_named_with_a_400(engine_url: str) -> None
     ):
         status, out = _post(engine_url, body)
         assert status == 400 and said in out["error"]["message"], (status, out)
+
+
+@pytest.mark.multiproc
+def test_an_engine_with_a_key_answers_only_to_it(start_engine: Any, tiny_dirs: dict[str, Path]) -> None:
+    """SGLang's --api-key (engines/auth.py): without the key, or with another, every endpoint but the probes answers
+    401 `{"error": "Unauthorized"}` before anything happens -- a foreign pause, update group, weight-update session
+    or generation changes nothing; with the key everything is served."""
+    from megatron_sao.engines.client import EngineError, SGLangClient
+
+    engine = start_engine(tiny_dirs["qwen3_moe_notok"], "--api-key", "the-runs-key")
+    engine.wait_healthy()  # /health needs no key
+    for key in (None, "another"):
+        stranger = SGLangClient(engine.url, api_key=key or "")
+        for call in (lambda c: c.pause_generation("in_place"), lambda c: c.begin_weight_update(),
+                     lambda c: c.init_weights_update_group("127.0.0.1", 1, 1, 2, "g", "gloo"),
+                     lambda c: c.generate([1, 2, 3], {"max_new_tokens": 2}), lambda c: c.server_info()):  # fmt: skip
+            with pytest.raises(EngineError) as refused:
+                call(stranger)
+            assert refused.value.status == 401 and refused.value.body == {"error": "Unauthorized"}
+    owner = SGLangClient(engine.url, api_key="the-runs-key")
+    assert not owner.server_info()["load"]["paused"]  # the stranger's pause never happened
+    assert len(owner.generate([1, 2, 3], {"max_new_tokens": 2, "ignore_eos": True}).output_ids) == 2
+    owner.begin_weight_update()
+    owner.end_weight_update()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -40,7 +41,7 @@ def _flags(cmd: list[str]) -> dict[str, str | None]:
 
 
 def test_sglang_command_uses_sglang_flag_names_and_config_values() -> None:
-    rc = RolloutConfig(engine="sglang", num_engines=3, base_port=31000, host="10.0.0.5")
+    rc = RolloutConfig(engine="sglang", num_engines=3, base_port=31000, host="10.0.0.5", api_key=False)
     rc.sglang.tp, rc.sglang.ep = 4, 4
     rc.sglang.skip_tokenizer_init = True
     rc.sglang.extra_args = ["--disable-radix-cache"]
@@ -65,7 +66,7 @@ def test_sglang_command_uses_sglang_flag_names_and_config_values() -> None:
 
 def test_an_engine_spanning_nodes_gets_sglangs_multi_node_flags() -> None:
     """parallel.py nnodes, node_rank, dist_init_addr (--nnodes, --node-rank, --dist-init-addr host:port)."""
-    rc = RolloutConfig(engine="sglang", base_port=30000)
+    rc = RolloutConfig(engine="sglang", base_port=30000, api_key=False)
     rc.sglang.tp, rc.sglang.ep, rc.sglang.nnodes = 16, 16, 2
     cmd = sglang_command(rc, "/m", 3, "10.0.0.9", node_rank=1, dist_init_host="10.0.0.8")
     flags = _flags(cmd)
@@ -73,6 +74,23 @@ def test_an_engine_spanning_nodes_gets_sglangs_multi_node_flags() -> None:
     assert flags["--tp-size"] == "16" and flags["--port"] == "30003"
     with pytest.raises(ValueError, match="needs its node-rank 0's address"):
         sglang_command(rc, "/m", 0, "10.0.0.9")  # local mode cannot place an engine over nodes
+
+
+@pytest.mark.multiproc
+def test_an_sglang_engine_gets_the_runs_key_from_its_file_as_it_starts(tmp_path: Path) -> None:
+    """rollout.api_key: SGLang takes --api-key on its command line only; the launch command reads it from the run's
+    key file ($SAO_ENGINE_API_KEY_FILE) in the shell that starts the server, so no command we print holds it."""
+    import subprocess
+
+    from megatron_sao.engines.auth import API_KEY_FILE_ENV, ensure_key
+
+    cmd = sglang_command(RolloutConfig(engine="sglang"), "/m", 0, "127.0.0.1")
+    key_file = ensure_key(tmp_path)
+    assert oct(key_file.stat().st_mode & 0o777) == "0o600" and key_file.read_text().strip() not in " ".join(cmd)
+    assert cmd[:2] == ["bash", "-c"] and cmd[4:7] == [sys.executable, "-m", "sglang.launch_server"]
+    shown = subprocess.run([*cmd[:4], "echo", *cmd[7:9]], capture_output=True, text=True, check=True,
+                           env={**os.environ, API_KEY_FILE_ENV: str(key_file)}).stdout.split()  # fmt: skip
+    assert shown == [*cmd[7:9], "--api-key", key_file.read_text().strip()]
 
 
 def test_embedded_command_and_running_engines_need_no_launch() -> None:

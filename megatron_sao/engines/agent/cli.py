@@ -49,14 +49,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--wait-engine", type=float, default=600.0, metavar="S",
                    help="how long to wait for the engine to answer /health at start")  # fmt: skip
     p.add_argument("--tp-rank", type=int, default=None, help=argparse.SUPPRESS)  # the node's other ranks
+    p.add_argument("--api-key", default=None, help="the engine's key (SGLang's --api-key), asked of the agent's own "
+                   "callers too (default: the run's key file, $SAO_ENGINE_API_KEY_FILE)")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
 
-def _wait_engine(url: str, timeout_s: float) -> dict:
+def _wait_engine(url: str, timeout_s: float, key: str | None) -> dict:
     from megatron_sao.engines.client import SGLangClient
 
-    client = SGLangClient(url)
+    client = SGLangClient(url, api_key=key)
     deadline = time.monotonic() + timeout_s
     while not client.health(timeout_s=2.0):
         if time.monotonic() > deadline:
@@ -85,12 +87,17 @@ def main(argv: list[str]) -> int:
     from megatron_sao.engines import protocol as P
     from megatron_sao.engines.agent.handover import HandoverError, checkpoint_table, expert_count, plan_handover
     from megatron_sao.engines.agent.ranks import AgentReceiver, serve_rank
+    from megatron_sao.engines.auth import run_key
     from megatron_sao.engines.client import EngineError, SGLangClient
     from megatron_sao.engines.embedded import tp
     from megatron_sao.engines.embedded.cli import layout_of
 
-    info = _wait_engine(args.engine, args.wait_engine)
-    client = SGLangClient(args.engine)
+    try:
+        key = args.api_key or run_key()
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    info = _wait_engine(args.engine, args.wait_engine, key)
+    client = SGLangClient(args.engine, api_key=key)
     try:
         proto = P.ServerProtocol.from_server_info(info, args.engine)
     except ValueError as e:
@@ -139,5 +146,6 @@ def main(argv: list[str]) -> int:
     receiver = AgentReceiver(table, agent_proto, handover, 0, device, args.weight_session_timeout, peers=peers)
     state = AgentState(client, info, receiver, handover, int(args.part_mb * 2**20),
                        pause_always=args.pause_engine == "always")  # fmt: skip
+    state.api_key = key  # its callers need the engine's key too
     serve(state, args.host, args.port)
     return 0

@@ -46,6 +46,7 @@ class AgentState:
                  handover: Handover, part_bytes: int, pause_always: bool = False) -> None:  # fmt: skip
         self.engine, self.receiver, self.handover, self.part_bytes = engine, receiver, handover, part_bytes
         self.pause_always = pause_always  # pause even an engine that stages a push (measuring SGLang's stall)
+        self.api_key: str | None = None  # asked of the agent's callers as the engine asks it (engines/auth.py)
         self.engine_protocol = P.ServerProtocol.from_server_info(engine_info, engine.url)
         self.device = P.checksum_device(engine_info)
         self.partial: str | None = None  # why the engine holds part of a handover (kept paused), or None

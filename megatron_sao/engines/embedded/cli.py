@@ -47,6 +47,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="capture each token's experts in every MoE layer; requests with return_routed_experts get "
                    "meta_info.routed_experts (SGLang's flag and format)")  # fmt: skip
+    p.add_argument("--api-key", default=None, help="SGLang's --api-key: every endpoint but /health* needs "
+                   "`Authorization: Bearer KEY` (default: the run's key file, $SAO_ENGINE_API_KEY_FILE)")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -129,6 +131,13 @@ def main(argv: list[str]) -> int:
             enable_return_routed_experts=args.enable_return_routed_experts,
         )
     except ValueError as e:  # a model the engine cannot serve as given: named, no traceback
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    from megatron_sao.engines.auth import run_key
+
+    try:
+        state.api_key = args.api_key or run_key()
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     serve(state, args.host, args.port)

@@ -33,6 +33,7 @@ from urllib.parse import urlparse
 import torch.distributed as dist
 
 from megatron_sao.distributed import flat_bucket
+from megatron_sao.engines import auth
 from megatron_sao.engines import protocol as P
 from megatron_sao.engines.embedded.fields import CONTROL, check_fields
 from megatron_sao.engines.embedded.generate import GenerateHandler
@@ -81,6 +82,7 @@ class EngineState:
         self.model_info = model_info
         self.tp_size = tp_size
         self._shards: dict[str, Any] | None = None  # /weight_shards, once read
+        self.api_key: str | None = None  # SGLang's --api-key: every endpoint but the probes needs it (engines/auth.py)
 
     # Each route returns (status, JSON-able body or str).
     def route(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
@@ -351,6 +353,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.rfile.readline(8)  # the CRLF after each chunk
 
     def _serve(self, method: str) -> None:
+        if not auth.allowed(urlparse(self.path).path, self.headers.get("Authorization"), self.state.api_key):
+            self.close_connection = True  # SGLang's --api-key: refused before the body is read
+            self._reply(401, auth.UNAUTHORIZED)
+            return
         chunked = "chunked" in (self.headers.get("Transfer-Encoding") or "").lower()
         try:
             length = int(self.headers.get("Content-Length") or 0)
