@@ -135,30 +135,30 @@ def test_a_worker_that_always_fails_ends_the_run_with_one_message(tiny_hf_dir: A
 
 
 def test_a_local_run_moves_off_ports_another_process_holds_unless_they_were_asked_for() -> None:
-    """Two local runs on one machine: the second finds the default engine and bus ports taken and takes free ones
-    (run/local.py free_ports), printing which; a port given on the command line is kept (and refused if taken)."""
+    """Two local runs on one machine: the second finds its engine and bus ports (the config's, here free ports this
+    test then holds) taken and takes free ones (run/local.py free_ports), printing which; a port given on the
+    command line is kept (and refused if taken)."""
     import socket
 
+    from megatron_sao.distributed.spawn import find_free_port
     from megatron_sao.run.local import free_ports, listener_of
 
-    cfg = load_config("examples/tiny_cpu/config.yaml", ["--rollout.num_engines", "2"])
+    engine, bus = find_free_port(), find_free_port()
+    cfg = load_config("examples/tiny_cpu/config.yaml", ["--rollout.num_engines", "2", "--rollout.base_port",
+                                                        str(engine), "--bus.bind", f"tcp://127.0.0.1:{bus}"])  # fmt: skip
     held = []
-    for port in (cfg.rollout.base_port + 1, int(cfg.bus.bind.rsplit(":", 1)[1])):
+    for port in (engine + 1, bus):
         sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            pytest.skip(f"port {port} is held by something else on this machine")
+        sock.bind(("127.0.0.1", port))
         sock.listen()
         held.append(sock)
     try:
-        moves = free_ports(cfg, [])
+        moves = free_ports(cfg, [])  # as if the ports came from the config file
         assert moves[0] == "--rollout.base_port" and moves[2] == "--bus.bind", moves
         base = int(moves[1])
-        assert all(listener_of(base + i) is None for i in range(2)) and base != cfg.rollout.base_port
+        assert all(listener_of(base + i) is None for i in range(2)) and base != engine
         assert listener_of(int(moves[3].rsplit(":", 1)[1])) is None
-        assert free_ports(cfg, ["--rollout.base_port", str(cfg.rollout.base_port), "--bus.bind", cfg.bus.bind]) == []
+        assert free_ports(cfg, ["--rollout.base_port", str(engine), "--bus.bind", cfg.bus.bind]) == []
     finally:
         for sock in held:
             sock.close()
