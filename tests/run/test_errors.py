@@ -144,8 +144,8 @@ def test_a_local_run_moves_off_ports_another_process_holds_unless_they_were_aske
     from megatron_sao.run.local import free_ports, listener_of
 
     engine, bus = find_free_port(), find_free_port()
-    cfg = load_config("examples/tiny_cpu/config.yaml", ["--rollout.num_engines", "2", "--rollout.base_port",
-                                                        str(engine), "--bus.bind", f"tcp://127.0.0.1:{bus}"])  # fmt: skip
+    ports = ["--rollout.base_port", str(engine), "--bus.bind", f"tcp://127.0.0.1:{bus}"]
+    cfg = load_config("examples/tiny_cpu/config.yaml", ["--rollout.num_engines", "2", *ports])
     held = []
     for port in (engine + 1, bus):
         sock = socket.socket()
