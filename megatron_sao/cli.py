@@ -60,6 +60,7 @@ def _config(ns: argparse.Namespace, rest: list[str]) -> int:
     if args.action == "show":
         print(config_to_yaml(cfg), end="")
     else:
+        _model_note(cfg)
         print(f"{args.file or 'defaults'}: ok")
     return 0
 
@@ -129,17 +130,23 @@ def _read_config(path: str | None, overrides: list[str], preflight: bool = True,
         print(f"error: {e}", file=sys.stderr)
         return None
     if preflight:
-        from megatron_sao.run.preflight import missing_model, problems
+        from megatron_sao.run.preflight import problems
 
         found = problems(cfg, model_here)
         for line in found:
             print(f"error: {line}", file=sys.stderr)
         if found:
             return None
-        if not model_here and (note := missing_model(cfg)) is not None:
-            print(f"note: {note.replace('; point it at', ' here (fine where the run starts elsewhere); point it at')}",
-                  file=sys.stderr)  # fmt: skip
     return cfg
+
+
+def _model_note(cfg: Any) -> None:
+    """`config check`: say when model.hf_path is not on this machine (fine where the run starts elsewhere)."""
+    from megatron_sao.run.preflight import missing_model
+
+    if (note := missing_model(cfg)) is not None:
+        print(f"note: {note.replace('; point it at', ' here (fine where the run starts elsewhere); point it at')}",
+              file=sys.stderr)  # fmt: skip
 
 
 def _load(
@@ -418,7 +425,7 @@ def _eval(ns: argparse.Namespace, rest: list[str]) -> int:
     checkpoint = args.checkpoint if args.checkpoint is not None else cfg.launch.run_dir
     if checkpoint != "none" and not Path(checkpoint).exists():  # before anything is made or started
         flag = "--checkpoint" if args.checkpoint is not None else "launch.run_dir (the default --checkpoint)"
-        print(f"error: {flag}={checkpoint!r}: no such file or directory; give a run dir, a save dir, one checkpoint, "
+        print(f"error: {flag} {checkpoint}: no such file or directory; give a run dir, a save dir, one checkpoint, "
               "or 'none' for the initial weights", file=sys.stderr)  # fmt: skip
         return 2
     try:

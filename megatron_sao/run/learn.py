@@ -392,13 +392,21 @@ class _Run:
             log.info("checkpoint %s (version %d)", path, self.learner.version)
         return time.monotonic() - t0
 
-    def record(self, batch: Sequence[Trajectory], metrics: dict[str, Any], times: dict[str, float]) -> dict[str, Any]:
-        """A step's metrics record (run/metrics.py SCHEMA); counts the batch into the cumulative counters."""
+    def count(self, batch: Sequence[Trajectory]) -> dict[str, float]:
+        """Count a trained step into the cumulative counters -- before the checkpoint that covers it, so a resume
+        numbers the next step exactly (a count after the save made every resume repeat or skip a step number); the
+        batch's facts for its record."""
         c = self.counters
         c["steps"] += 1
         c["trajectories"] += len(batch)
         facts = batch_metrics(batch)
         c["tokens"] += int(facts["step/tokens"])
+        return facts
+
+    def record(self, batch: Sequence[Trajectory], facts: dict[str, float], metrics: dict[str, Any],
+               times: dict[str, float]) -> dict[str, Any]:  # fmt: skip
+        """A step's metrics record (run/metrics.py SCHEMA), at the counters `count` left."""
+        c = self.counters
         step_s = max(times["time/step"], 1e-9)
         return {"step": c["steps"], "time": time.time(), "weight_version": self.learner.version, **facts,
                 "trajectories/consumed": c["trajectories"], "tokens/consumed": c["tokens"],
@@ -519,9 +527,10 @@ def _learn(cfg: SAOConfig, layout: DistContext, engine_urls: list[str], on_ready
                 run.pretrain.record(len(batch), metrics)
                 metrics.update(run.pretrain.metrics())
                 run.trained(batch, metrics, first_values)
+                facts = run.count(batch)
                 times["time/checkpoint"] = run.save(force=run.pretrain.done)
                 times["time/step"] = time.monotonic() - t_wait
-                run.log(run.record(batch, metrics, times), run.pretrain.progress(metrics))
+                run.log(run.record(batch, facts, metrics, times), run.pretrain.progress(metrics))
                 continue
             pushed: dict[str, Any] = {}
             if engines.deferred and engines.behind:  # grpo_async: version k goes out now that batch k is in
@@ -539,9 +548,10 @@ def _learn(cfg: SAOConfig, layout: DistContext, engine_urls: list[str], on_ready
                 times["time/sync"] += time.monotonic() - t0
             metrics = {**run.steps.finish(), **metrics}
             run.trained(batch, metrics, run.steps.first_values())
+            facts = run.count(batch)
             times["time/checkpoint"] = run.save(force=learner.version >= max_steps)
             times["time/step"] = time.monotonic() - t_wait
-            record = run.record(batch, metrics, times)
+            record = run.record(batch, facts, metrics, times)
             run.log(record, _progress(batch, record, max_steps))
             if run.evals is not None:
                 run.evals.poll()
