@@ -80,7 +80,7 @@ def test_plot_writes_pngs_for_one_and_two_runs(run_dir: Path, tmp_path: Path) ->
         assert done.returncode == 0, done.stderr
         pngs = sorted(p.name for p in out.glob("*.png"))
         assert pngs == sorted(["reward.png", "masked_fraction.png", "staleness.png", "losses.png",
-                               "explained_variance.png", "throughput.png"])  # fmt: skip
+                               "explained_variance.png", "throughput.png", "throughput_wall.png"])  # fmt: skip
         assert all((out / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out / p).stat().st_size > 1000 for p in pngs)
     bad = subprocess.run([sys.executable, "-m", "megatron_sao", "plot", str(tmp_path / "nothing")], cwd=REPO,
                          capture_output=True, text=True, timeout=60)  # fmt: skip

@@ -92,15 +92,21 @@ def _push(hf_dir: str, layout: dict[str, int], full_url: str, agent_urls: list[s
     return out if dist.get_rank() == 0 else {}
 
 
-@pytest.mark.parametrize("handover", ["direct", "hf"])
+@pytest.mark.parametrize(
+    ("handover", "layout"),
+    [("direct", {"tensor": 2, "expert": 2, "pipeline": 2}),
+     ("hf", {"tensor": 1}),
+     pytest.param("hf", {"tensor": 2, "expert": 2, "pipeline": 2}, marks=pytest.mark.slow)],
+    ids=["direct-tp2ep2pp2", "hf-tp1", "hf-tp2ep2pp2"],
+)  # fmt: skip
 def test_agents_hand_each_engine_rank_its_slice_and_the_engines_serve_what_a_full_push_serves(
-    start_engine: Any, start_agent: Any, tiny_hf_dir: Any, handover: str
+    start_engine: Any, start_agent: Any, tiny_hf_dir: Any, handover: str, layout: dict[str, int]
 ) -> None:
-    """Learner TP2 x EP2 x PP2 into two TP=2 engines through their agents. direct: each agent rank received exactly
-    its engine rank's blocks (<= 0.6 of the full bytes) and handed exactly those over; hf (SGLang's load_format None,
-    here with --ep-size 1: every tensor whole). Either way both engines then hold, rank by rank, what the engine
-    given a full push holds, and generate the same greedy tokens at the new version; the engines were never paused
-    by the learner (the agent receives beside them)."""
+    """A learner (TP2 x EP2 x PP2: 8 ranks; or one rank) into two TP=2 engines through their agents. direct: each
+    agent rank received exactly its engine rank's blocks (<= 0.6 of the full bytes) and handed exactly those over;
+    hf (SGLang's load_format None, here with --ep-size 1: every tensor whole). Either way both engines then hold,
+    rank by rank, what the engine given a full push holds, and generate the same greedy tokens at the new version;
+    the engines were never paused by the learner (the agent receives beside them)."""
     hf_dir = tiny_hf_dir("qwen3_moe")
     full = start_engine(hf_dir, "--tp-size", "2")
     engines = [start_engine(hf_dir, "--tp-size", "2") for _ in range(2)]
@@ -109,8 +115,9 @@ def test_agents_hand_each_engine_rank_its_slice_and_the_engines_serve_what_a_ful
     agents = [start_agent(e.url, "--handover", handover) for e in engines]
     for a in agents:
         a.wait_healthy()
-    out = spawn_ranks(_push, 8, str(hf_dir), {"tensor": 2, "expert": 2, "pipeline": 2}, full.url,
-                      [a.url for a in agents], find_free_port(), timeout_s=900)[0]  # fmt: skip
+    world = layout.get("tensor", 1) * layout.get("expert", 1) * layout.get("pipeline", 1)
+    out = spawn_ranks(_push, world, str(hf_dir), layout, full.url, [a.url for a in agents], find_free_port(),
+                      timeout_s=900)[0]  # fmt: skip
     m = out["agent"]["metrics"]
     assert m["sync/failed"] == 0 and m["sync/sharded"] == 1.0, (m, _logs(agents))
     names = out["full"]["names"]
