@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """How much of a push changes from one policy step to the next (issue 48, "measure first"): the fraction of
 engine-dtype elements that differ between consecutive steps, by tensor class, for a bf16 engine and a block-FP8
-engine (weights quantized as models/fp8.py writes them, 128x128 blocks, the scales counted with their blocks).
+engine (weights quantized as models/fp8.py writes them, 128x128 blocks: its e4m3 bytes and its block scales, each a
+changed element when it differs).
 
 A tiny random MoE (qwen3_moe; weights of the usual init scale) is trained `--steps` SAO policy steps (K critic updates
 each, fp32 master weights, Adam) on synthetic on-policy batches (the rollout log-probs are the initial model's, so DIS
@@ -59,12 +60,10 @@ def changed(prev: dict[str, Any], now: dict[str, Any]) -> dict[str, tuple[int, i
     """{name: (elements changed, elements)} between two snapshots of engine-dtype tensors."""
     out = {}
     for name, t in now.items():
-        if isinstance(t, tuple):  # fp8: bytes and scales, a changed scale counts its whole block
+        if isinstance(t, tuple):  # fp8: what the engine holds is the bytes and the block scales, both counted
             q, s = t
             pq, ps = prev[name]
-            n = int((q != pq).sum())
-            blocks = int((s != ps).sum())
-            out[name] = (min(q.numel(), n + blocks * 128 * 128), q.numel())
+            out[name] = (int((q != pq).sum()) + int((s != ps).sum()), q.numel() + s.numel())
         else:
             out[name] = (int((t != prev[name]).sum()), t.numel())
     return out
