@@ -179,7 +179,9 @@ def run_arm(spec: RunSpec, run_dir: Path, log: Any = print) -> Run:
     if spec.env_options:
         overrides += ["--rollout.env.options", json.dumps(spec.env_options)]
     if spec.token_budget is not None:
-        overrides += ["--learner.max_steps", "100000", "--learner.save_interval", "100000"]
+        # the token budget ends the run, not a step count; no checkpoint before it, so producers hold everything
+        overrides += ["--learner.max_steps", "100000", "--learner.save_interval", "100000",
+                      "--bus.max_uncommitted", "1000000000"]  # fmt: skip
     py = [sys.executable, "-m", "megatron_sao"]
     logs = {name: open(run_dir / "logs" / f"{name}.log", "wb") for name in ("engine", "learner", "rollout")}  # noqa: SIM115
     engine_cmd = [*py, "engine", "--model", str(spec.model), "--port", str(port), "--threads", "1",

@@ -53,6 +53,16 @@ class SAOConfig(Section):
             raise ValueError(f"eval.timeout_s={self.eval.timeout_s:g} with {self.launch.learner_world_size} learner "
                              "ranks: the other ranks wait for rank 0's evaluation inside the next push, whose "
                              "collective timeout is 600 s; set eval.timeout_s below 540")  # fmt: skip
+        steps = min(self.learner.save_interval, self.learner.max_steps)  # the last step always checkpoints
+        held = self.learner.trajectories_per_step * steps * (self.learner.fallback_checkpoints + 1)
+        if held > self.bus.max_uncommitted:  # a producer keeps each trajectory until that many steps are covered
+            raise ValueError(
+                f"bus.max_uncommitted={self.bus.max_uncommitted} is below what one producer may hold before a "
+                f"checkpoint covers it: learner.trajectories_per_step ({self.learner.trajectories_per_step}) x "
+                f"min(learner.save_interval, learner.max_steps) ({steps}) x (learner.fallback_checkpoints + 1) "
+                f"({self.learner.fallback_checkpoints + 1}) = {held}; its sends would block and the run stall. "
+                f"Raise bus.max_uncommitted to at least {held} or lower learner.save_interval"
+            )
         if self.launch.gpus_per_node is None:
             needs_gpus = self.rollout.engine == "sglang" or self.weight_sync.backend == "nccl"
             self.launch.gpus_per_node = 8 if needs_gpus else 0

@@ -291,3 +291,15 @@ def test_every_config_field_says_what_it_does() -> None:
 
     walk(SAOConfig, "")
     assert not missing, f"config fields without a docstring: {missing}"
+
+
+def test_a_save_interval_producers_cannot_hold_is_refused() -> None:
+    """bus.max_uncommitted below trajectories_per_step x save_interval x (fallback_checkpoints + 1): a producer
+    would block before the learner could checkpoint what it holds (the run stalled silently); refused, naming the
+    fields and the number that fits."""
+    from megatron_sao.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"bus.max_uncommitted=65536 .* = 102400.*at least 102400"):
+        load_config(None, ["--learner.trajectories_per_step", "1024", "--learner.save_interval", "50"])
+    load_config(None, ["--learner.trajectories_per_step", "1024", "--learner.save_interval", "50",
+                       "--bus.max_uncommitted", "102400"])  # fmt: skip
