@@ -1,6 +1,7 @@
 """The learner's progress as a person watches it (rank 0): a live rich view on an interactive terminal -- step of
 max_steps with a bar and ETA, reward, tokens/s, weight version, staleness, DIS masked fraction -- or one plain line
-per step when stdout is not a TTY, under CI or inside a Slurm job (launch.display)."""
+per step when stdout is not a TTY, under CI or inside a Slurm job (launch.display). While the live view runs, log
+lines and warnings print above it instead of breaking through it."""
 
 from __future__ import annotations
 
@@ -33,6 +34,24 @@ class StepDisplay:
             )
             self.task = self.progress.add_task("train", total=max_steps, completed=start, facts="waiting")
             self.progress.start()
+            self._route_logs()
+
+    def _route_logs(self) -> None:
+        """Log lines and warnings go above the live view (rich's handler on its console), not through it; the
+        handlers they replace come back at close()."""
+        import logging
+
+        from rich.logging import RichHandler
+
+        root = logging.getLogger()
+        self._replaced = [h for h in root.handlers if isinstance(h, logging.StreamHandler)
+                          and getattr(h, "stream", None) in (sys.stderr, sys.stdout)]  # fmt: skip
+        level = min((h.level for h in self._replaced), default=logging.NOTSET)
+        for h in self._replaced:
+            root.removeHandler(h)
+        self._rich = RichHandler(console=self.progress.console, show_path=False, level=level)
+        root.addHandler(self._rich)
+        logging.captureWarnings(True)  # FutureWarnings and the like: as log lines, above the view
 
     def step(self, record: dict[str, Any], line: str) -> None:
         """One step's record (run/metrics.py keys) and its plain line."""
@@ -62,3 +81,10 @@ class StepDisplay:
     def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()
+            import logging
+
+            root = logging.getLogger()
+            root.removeHandler(self._rich)
+            for h in self._replaced:
+                root.addHandler(h)
+            logging.captureWarnings(False)

@@ -235,3 +235,31 @@ def test_the_summary_counts_step_time_and_keeps_its_windows_apart(tmp_path: Path
     assert s["seconds"] == 24.0 and s["tokens_per_s"] == 120 / 24
     assert s["window"] == 6 and s["reward_before"] == 0.0 and s["reward_after"] == 1.0
     assert "(last 6 steps)" in describe(s) and "over 24s of steps" in describe(s)
+
+
+def test_log_lines_and_warnings_go_above_the_live_view_and_back_after() -> None:
+    import logging
+    import sys
+    import warnings
+
+    from rich.logging import RichHandler
+
+    root = logging.getLogger()
+    mine = logging.StreamHandler(sys.stderr)
+    root.addHandler(mine)
+    try:
+        live = StepDisplay(max_steps=5, start=0, mode="rich")
+        handlers = [h for h in root.handlers if isinstance(h, RichHandler)]
+        assert len(handlers) == 1 and handlers[0].console is live.progress.console and mine not in root.handlers
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            with pytest.MonkeyPatch.context() as mp:
+                seen: list[logging.LogRecord] = []
+                mp.setattr(handlers[0], "emit", seen.append)
+                warnings.warn("old API", FutureWarning, stacklevel=1)
+                logging.getLogger("megatron_sao.test").warning("a log line")
+        assert [r.getMessage() for r in seen][-1] == "a log line" and any("old API" in r.getMessage() for r in seen)
+        live.close()
+        assert mine in root.handlers and not any(isinstance(h, RichHandler) for h in root.handlers)
+    finally:
+        root.removeHandler(mine)
