@@ -353,7 +353,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.rfile.readline(8)  # the CRLF after each chunk
 
     def _serve(self, method: str) -> None:
-        if not auth.allowed(urlparse(self.path).path, self.headers.get("Authorization"), self.state.api_key):
+        key = getattr(self.state, "api_key", None)  # (a state without one serves everyone)
+        if not auth.allowed(urlparse(self.path).path, self.headers.get("Authorization"), key):
             self.close_connection = True  # SGLang's --api-key: refused before the body is read
             self._reply(401, auth.UNAUTHORIZED)
             return
