@@ -103,6 +103,13 @@ class StalenessGate:
             "max_staleness": self._max,
             "action": action,
             "time": time.time(),
+            # what the trajectory was, so a reader can compare what was dropped with what was trained (outcome bias)
+            "reward": h.reward,
+            "turns": len(h.turns),
+            "tokens": h.num_tokens,
+            "action_tokens": int(traj.action_mask.sum()),
+            "finish_reason": h.finish_reason,
+            "metadata": dict(h.metadata),
         }
         self._stale_log.write(line)  # a full disk: DiskFull naming bus.stale_log_dir
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import Counter
@@ -145,7 +146,14 @@ def test_stale_trajectories_are_dropped_recorded_and_still_committed(tmp_path) -
         assert r.metrics()["stale_dropped"] == 2
         r.commit()
         assert s.flush(5)
-    assert len((tmp_path / "stale.jsonl").read_text().splitlines()) == 2
+    lines = [json.loads(x) for x in (tmp_path / "stale.jsonl").read_text().splitlines()]
+    assert [x["trajectory_id"] for x in lines] == ["w-1", "w-3"]
+    sent = {t.trajectory_id: t for t in (traj(1, version=5), traj(3, version=1))}
+    for x in lines:  # what was dropped, comparable with what was trained
+        h = sent[x["trajectory_id"]].header
+        assert (x["reward"], x["turns"], x["tokens"], x["finish_reason"], x["metadata"]) == (
+            h.reward, len(h.turns), h.num_tokens, h.finish_reason, dict(h.metadata))  # fmt: skip
+        assert x["action_tokens"] == int(sent[x["trajectory_id"]].action_mask.sum())
 
 
 def test_malformed_or_oversized_trajectories_fail_at_send() -> None:
