@@ -394,7 +394,7 @@ def _rollout(ns: argparse.Namespace, rest: list[str]) -> int:
 @command("ledger")
 def _ledger(ns: argparse.Namespace, rest: list[str]) -> int:
     from megatron_sao.files import TRAJECTORIES_FILE
-    from megatron_sao.run.ledger import check_ledger
+    from megatron_sao.run.ledger import check_ledger, dropped_vs_trained
 
     p = argparse.ArgumentParser(prog="python -m megatron_sao ledger", description="check a run's trajectory ledger")
     p.add_argument("run_dir", help="the run directory (launch.run_dir)")
@@ -406,6 +406,8 @@ def _ledger(ns: argparse.Namespace, rest: list[str]) -> int:
         return 2
     report = check_ledger(args.run_dir, args.spool_dir, args.stale_log)
     print(report.describe())
+    if (compared := dropped_vs_trained(args.run_dir, args.stale_log)) is not None:
+        print(compared)
     return 0 if report.ok else 1
 
 

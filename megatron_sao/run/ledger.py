@@ -261,3 +261,24 @@ def check_ledger(
     _check_training(learner_lines, side, workers, started, counts, report)
     _check_fates(run, side, set(counts) | stale | pending | held | side.refused, workers, report)
     return report
+
+
+def dropped_vs_trained(run_dir: str | Path, stale_log: str | Path | None = None) -> str | None:
+    """What the staleness bound dropped against what was trained (stale.jsonl beside trajectories.jsonl): how many,
+    their mean reward, turns and tokens -- drops that fall on long or successful episodes bias training. None when
+    nothing was dropped (or the log predates these fields)."""
+    run = Path(run_dir)
+    dropped = [x for x in _lines(Path(stale_log) if stale_log else run / STALE_FILE)
+               if x.get("action") == "dropped" and "reward" in x]  # fmt: skip
+    trained = [x for x in _lines(run / TRAJECTORIES_FILE) if "id" in x and not x.get("pretrain")]
+    if not dropped or not trained:
+        return None
+
+    def means(rows: list[dict[str, Any]]) -> str:
+        n = len(rows)
+        reward, turns = sum(float(r["reward"]) for r in rows) / n, sum(r["turns"] for r in rows) / n
+        return f"reward {reward:.3f}, turns {turns:.2f}, tokens {sum(r['tokens'] for r in rows) / n:.0f}"
+
+    share = len(dropped) / (len(dropped) + len(trained))
+    return (f"dropped as stale {len(dropped)} ({share:.1%}): {means(dropped)}; trained {len(trained)}: "
+            f"{means(trained)}")

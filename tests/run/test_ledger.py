@@ -125,3 +125,22 @@ def test_the_ledger_summary_adds_up_for_a_reader() -> None:
     assert first.startswith("produced 115 = consumed 96 + dropped as stale 0 + waiting 19 (sent, not yet trained);")
     assert "pending in spools 67: the 19 waiting and 48 trained after the last checkpoint" in first
     assert "otherwise accounted" in LedgerReport(produced=10, consumed=5, pending=2).describe()
+
+
+def test_the_ledger_compares_what_was_dropped_as_stale_with_what_was_trained(tmp_path) -> None:
+    import json
+
+    from megatron_sao.run.ledger import dropped_vs_trained
+
+    (tmp_path / "stale.jsonl").write_text("".join(json.dumps(x) + "\n" for x in [
+        {"trajectory_id": "a", "action": "dropped", "reward": 1.0, "turns": 6, "tokens": 600},
+        {"trajectory_id": "b", "action": "kept", "reward": 0.0, "turns": 1, "tokens": 100},
+        {"trajectory_id": "c", "action": "dropped", "reward": 0.0, "turns": 4, "tokens": 400}]))  # fmt: skip
+    (tmp_path / "trajectories.jsonl").write_text("".join(json.dumps(x) + "\n" for x in [
+        {"event": "start", "version": 0},
+        {"id": "d", "reward": 0.0, "turns": 1, "tokens": 100, "pretrain": False},
+        {"id": "e", "reward": 1.0, "turns": 3, "tokens": 300, "pretrain": False}]))  # fmt: skip
+    assert dropped_vs_trained(tmp_path) == ("dropped as stale 2 (50.0%): reward 0.500, turns 5.00, tokens 500; "
+                                            "trained 2: reward 0.500, turns 2.00, tokens 200")  # fmt: skip
+    (tmp_path / "stale.jsonl").write_text("")
+    assert dropped_vs_trained(tmp_path) is None
