@@ -8,7 +8,9 @@ STOP_FILE = "STOP"
 """A request that the learner finish its step, checkpoint and stop (written by the Slurm launcher, the local run's
 supervisor, or a user); removed by the learner once it stopped."""
 METRICS_FILE = "metrics.jsonl"
-"""One record per learner step, push and evaluation (run/metrics.py SCHEMA)."""
+"""One record per learner step, push and evaluation (files/metrics_schema.py, record "learner")."""
+
+
 TRAJECTORIES_FILE = "trajectories.jsonl"
 """The learner's side of the trajectory ledger: what each step consumed (run/ledger.py)."""
 STALE_FILE = "stale.jsonl"
@@ -16,5 +18,11 @@ STALE_FILE = "stale.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
 """The learner's checkpoints unless learner.save_dir says otherwise."""
 
+
+def rollout_metrics_file(worker_id: str) -> str:
+    """A rollout worker's records (files/metrics_schema.py, record "rollout")."""
+    return f"rollout_metrics_{worker_id}.jsonl"
+
+
 __all__ = ["CHECKPOINTS_DIR", "METRICS_FILE", "STALE_FILE", "STOP_FILE", "TRAJECTORIES_FILE", "DiskFull",
-           "JsonlAppender", "is_disk_full", "no_space", "read_records"]  # fmt: skip
+           "JsonlAppender", "is_disk_full", "no_space", "read_records", "rollout_metrics_file"]  # fmt: skip

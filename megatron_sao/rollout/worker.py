@@ -39,7 +39,8 @@ from megatron_sao.engines.client import (
     EngineUnavailable,
     NoHealthyEngine,
 )
-from megatron_sao.files import JsonlAppender
+from megatron_sao.files import JsonlAppender, rollout_metrics_file
+from megatron_sao.files.metrics_schema import unlisted_keys
 from megatron_sao.rollout.agent_loop import AgentLoop, EpisodeAborted
 from megatron_sao.rollout.prompts import PromptCursor
 
@@ -197,6 +198,7 @@ class RolloutWorker:
         self._ledger_lock = threading.Lock()
         self._ledger_file: JsonlAppender | None = None
         self._metrics_file: JsonlAppender | None = None
+        self._unlisted_warned: set[str] = set()
         self._undelivered: set[str] = set()  # prompts a sample of which the sink gave up
         self._sent: set[tuple[str, int]] = set()
         self._sent_keys: dict[str, str] = {}  # trajectory id -> prompt key, while the sink may still lose it
@@ -544,6 +546,11 @@ class RolloutWorker:
                       **{f"rollout/{k}": v for k, v in s.items() if k != "engines"}}  # fmt: skip
             for url, e in engines.items():
                 record.update({f"engine/{url}/{k}": e[k] for k in ("requests", "failures", "tokens", "outstanding")})
+            unlisted = set(unlisted_keys(record, "rollout")) - self._unlisted_warned
+            if unlisted:  # a key docs/run.md does not explain: written, and named once
+                self._unlisted_warned |= unlisted
+                log.warning("[%s] metrics keys missing from files/metrics_schema.py: %s", self.cfg.worker_id,
+                            sorted(unlisted))  # fmt: skip
             if self._metrics_file is None:
                 self._metrics_file = JsonlAppender(self.cfg.metrics_path, "launch.run_dir")
             self._metrics_file.write(record)
@@ -609,7 +616,7 @@ def worker_from_config(
         gate_poll_s=r.batch_gate_poll_s,
         log_interval_s=r.log_interval_s,
         state_path=r.cursor_state or str(Path(cfg.launch.run_dir) / cursor_file),
-        metrics_path=str(Path(cfg.launch.run_dir) / f"rollout_metrics_{worker_id}.jsonl"),
+        metrics_path=str(Path(cfg.launch.run_dir) / rollout_metrics_file(worker_id)),
         ledger_path=str(Path(cfg.launch.run_dir) / "ledger" / f"{worker_id}.jsonl"),
     )
     return RolloutWorker(PromptCursor(records, epochs=None), loop, sink, wcfg, router)

@@ -405,7 +405,7 @@ class _Run:
 
     def record(self, batch: Sequence[Trajectory], facts: dict[str, float], metrics: dict[str, Any],
                times: dict[str, float]) -> dict[str, Any]:  # fmt: skip
-        """A step's metrics record (run/metrics.py SCHEMA), at the counters `count` left."""
+        """A step's metrics record (files/metrics_schema.py), at the counters `count` left."""
         c = self.counters
         step_s = max(times["time/step"], 1e-9)
         return {"step": c["steps"], "time": time.time(), "weight_version": self.learner.version, **facts,

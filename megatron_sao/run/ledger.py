@@ -280,5 +280,4 @@ def dropped_vs_trained(run_dir: str | Path, stale_log: str | Path | None = None)
         return f"reward {reward:.3f}, turns {turns:.2f}, tokens {sum(r['tokens'] for r in rows) / n:.0f}"
 
     share = len(dropped) / (len(dropped) + len(trained))
-    return (f"dropped as stale {len(dropped)} ({share:.1%}): {means(dropped)}; trained {len(trained)}: "
-            f"{means(trained)}")
+    return f"dropped as stale {len(dropped)} ({share:.1%}): {means(dropped)}; trained {len(trained)}: {means(trained)}"

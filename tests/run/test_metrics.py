@@ -1,5 +1,5 @@
 """Watching a run: one tiny SAO run (value pre-training, then policy steps) writes every key of the metrics schema
-(run/metrics.py) that applies to it and nothing the schema does not list; its TensorBoard events read back with
+(files/metrics_schema.py) that applies to it and nothing the schema does not list; its TensorBoard events read back with
 TensorBoard's own reader; `plot` draws non-empty PNGs for one run and two; the progress display falls back to
 plain lines without a TTY; the rollout worker writes its own metrics, engines' included, each key in its schema; a
 grpo run with the ppo_clip loss writes only listed keys; wandb offline gets the records; docs/run.md shows the
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from megatron_sao.files.metrics_schema import RECORDS, SCHEMA, schema_entry, schema_table
 from megatron_sao.run.display import StepDisplay
-from megatron_sao.run.metrics import RECORDS, SCHEMA, schema_entry, schema_table
 from tests.run.test_arms import ARMS, REPO, _cmd, _env, assert_ledger_ok
 
 
@@ -42,7 +42,7 @@ def test_every_schema_key_is_written_and_nothing_else(run_dir: Path) -> None:
     records = _records(run_dir)
     written = {k for r in records for k in r}
     unlisted = sorted(k for k in written if schema_entry(k) is None)
-    assert not unlisted, f"written but not in run/metrics.py SCHEMA: {unlisted}"
+    assert not unlisted, f"written but not in files/metrics_schema.py: {unlisted}"
     for m in SCHEMA:
         if m.record == "learner" and m.when in ("step", "policy", "critic", "push", "pretrain", "eval"):  # a sao run's
             hit = [k for k in written if schema_entry(k) is m]
@@ -94,7 +94,7 @@ def test_the_rollout_worker_writes_its_own_metrics(run_dir: Path) -> None:
     assert last["worker"] == "rollout-0" and last["rollout/trajectories"] > 0
     written = {k for r in records for k in r}
     unlisted = sorted(k for k in written if schema_entry(k, "rollout") is None)
-    assert not unlisted, f"written by the worker but not in run/metrics.py SCHEMA (record rollout): {unlisted}"
+    assert not unlisted, f"written by the worker but not in files/metrics_schema.py (record rollout): {unlisted}"
     for m in (m for m in SCHEMA if m.record == "rollout"):
         assert any(schema_entry(k, "rollout") is m for k in written), f"{m.key} is in the schema but never written"
     assert any(k.startswith("engine/http://") and k.endswith("/requests") for k in last)
@@ -110,7 +110,7 @@ def test_a_ppo_clip_run_writes_only_listed_keys(tiny_hf_dir: Any, tmp_path: Path
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     written = {k for r in _records(run_dir) for k in r}
     unlisted = sorted(k for k in written if schema_entry(k) is None)
-    assert not unlisted, f"written but not in run/metrics.py SCHEMA: {unlisted}"
+    assert not unlisted, f"written but not in files/metrics_schema.py: {unlisted}"
     ppo = {k for k in written if k.startswith("ppo/")}
     assert {"ppo/clipfrac", "ppo/approx_kl", "ppo/ratio_max"} <= ppo and not any(k.startswith("dis/") for k in written)
     for m in SCHEMA:
@@ -170,7 +170,7 @@ def test_a_full_disk_under_tensorboard_is_named_and_metrics_stay_whole(tmp_path:
 def test_docs_show_the_schemas_the_code_has() -> None:
     docs = (REPO / "docs" / "run.md").read_text()
     for record in RECORDS:
-        assert schema_table(record) in docs, f"paste run.metrics.schema_table({record!r}) into docs/run.md"
+        assert schema_table(record) in docs, f"paste files.metrics_schema.schema_table({record!r}) into docs/run.md"
 
 
 def test_a_resumed_run_records_every_step_once_in_metrics_and_tensorboard(tmp_path: Path) -> None:
@@ -263,3 +263,11 @@ def test_log_lines_and_warnings_go_above_the_live_view_and_back_after() -> None:
         assert mine in root.handlers and not any(isinstance(h, RichHandler) for h in root.handlers)
     finally:
         root.removeHandler(mine)
+
+
+def test_unlisted_keys_names_what_a_record_writes_beyond_its_schema() -> None:
+    from megatron_sao.files.metrics_schema import unlisted_keys
+
+    written = {"time", "worker", "rollout/trajectories", "engine/http://a:1/tokens", "rollout/bogus", "reward/mean"}
+    assert unlisted_keys(written, "rollout") == ["reward/mean", "rollout/bogus"]  # a learner key is not a worker's
+    assert unlisted_keys({"reward/mean", "dis/masked_low"}) == []
