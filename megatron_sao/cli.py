@@ -327,13 +327,14 @@ def _submit(ns: argparse.Namespace, rest: list[str]) -> int:
         return 2
     print(f"[submit] job {job}: {script}; its output: {script.parent / 'logs' / f'slurm-{job}.out'}", flush=True)
     if args.wait:
+        from megatron_sao.files import METRICS_FILE
         from megatron_sao.run.summary import summarize
 
         run_dir = script.parent  # <run_dir>/slurm.sbatch
         steps = int(summarize(run_dir).get("policy_steps") or 0)
         print(f"[submit] job {job} ended with {code}; policy steps in {run_dir}: {steps}", flush=True)
         if code == 0 and not steps:
-            print(f"error: job {job} exited 0 but trained nothing (no policy step in {run_dir / 'metrics.jsonl'}); "
+            print(f"error: job {job} exited 0 but trained nothing (no policy step in {run_dir / METRICS_FILE}); "
                   f"read {run_dir / 'logs' / f'slurm-{job}.out'}", file=sys.stderr)  # fmt: skip
             return 1
     return code

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_sao"
@@ -138,3 +139,42 @@ def test_the_stages_take_the_layout_instead_of_reading_megatron_globals() -> Non
         if "parallel_state" in p.read_text()
     )
     assert not readers, f"read megatron's parallel_state; take the DistContext instead: {readers}"
+
+
+RUN_DIR_NAMES = re.compile(
+    r"(^|/)(metrics\.jsonl|trajectories\.jsonl|stale\.jsonl|STOP|rollout_metrics_.*|checkpoints)$"
+)
+
+
+def _spelled_names(path: Path) -> list[str]:
+    """String constants of a module that name a run-directory file (docstrings left out: they may explain)."""
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        f"{path.name}:{node.lineno} {node.value!r}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+        and RUN_DIR_NAMES.fullmatch(node.value)
+    ]  # fmt: skip
+
+
+def test_only_files_names_what_a_run_directory_holds() -> None:
+    spelled = [s for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).parts[0] != "files"
+               for s in _spelled_names(p)]  # fmt: skip
+    assert not spelled, f"name these in megatron_sao/files/ and import them: {spelled}"
+    launch_to_run = [f"{m} -> {t}" for m, ts in _graph().items() if _stage(m) == "launch" for t in ts
+                     if _stage(t) == "run"]  # fmt: skip
+    assert not launch_to_run, f"launch/ places jobs and must not import run/: {launch_to_run}"
+
+
+def test_the_run_directory_check_sees_a_spelled_name(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text('"""Writes metrics.jsonl."""\nPATH = "metrics.jsonl"\nOTHER = f"rollout_metrics_{1}.jsonl"\n')
+    assert [s.split(" ", 1)[1] for s in _spelled_names(bad)] == ["'metrics.jsonl'", "'rollout_metrics_'"]

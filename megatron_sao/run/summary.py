@@ -41,7 +41,7 @@ def summarize(run_dir: str | Path, window: int = 10) -> dict[str, Any]:
 
 def describe(s: dict[str, Any]) -> str:
     if "reward_after" not in s:
-        return f"[run] no policy step recorded in {s['run_dir']}/metrics.jsonl"
+        return f"[run] no policy step recorded in {Path(s['run_dir']) / METRICS_FILE}"
     return (f"[run] reward {s['reward_before']:.3f} ({s['reward_before_from']}) -> {s['reward_after']:.3f} (last "
             f"{s['window']} steps); {s['policy_steps']} policy steps after {s['pretrain_steps']} value "
             f"pre-training steps, {s['trajectories']} trajectories, {s['tokens_per_s']:.0f} generated tokens/s over "
