@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Streaming SAO vs synchronous GRPO vs one-step-off GRPO on the same pipeline, side by side in one run.
+"""Streaming SAO (rollout admission on, and off: drop what goes stale) vs synchronous GRPO vs one-step-off GRPO on the
+same pipeline, side by side in one run.
 
 Each arm runs the real processes on the agentic main task (key_chain: long-tailed multi-turn tool use) from the
 same warm-started model (tools/warm_start.py, cached under runs/bench_pipeline/warm_agentic): an embedded engine (one
@@ -10,6 +11,8 @@ start to the last step's end:
   learner busy   (training + weight pushes) / window
   engine busy    time in forward passes (the engine's own count) / window
   trajectories/s trained trajectories / window, and generated tokens (all the engine made, stale ones included)
+  trained share  action tokens trained / tokens generated: what dropping stale trajectories throws away (sao_drop is
+                 sao with bus.admission false; sao bounds staleness by admission, bus/admission.py)
 The arms run one after another, --repeats times (interleaved: sao, grpo, grpo_async, sao, ...), so a noisy
 neighbour hits all of them alike. Prints a line per arm and repeat, then the medians and `speed-up sao/grpo X`
 (median trajectories/s; goal >= 1.6 on 2 cores) and `speed-up sao/grpo_async Y`, and writes every run's
@@ -38,7 +41,8 @@ sys.path.insert(0, str(REPO))
 from experiments.harness import AGENTIC as CONFIG  # noqa: E402
 from experiments.harness import pinned, role_env, warm_agentic_model  # noqa: E402
 
-ARMS = ("sao", "grpo", "grpo_async")
+ARMS = ("sao", "sao_drop", "grpo", "grpo_async")
+ADMISSION = {"sao_drop": "false"}  # every other arm: the default (on; group arms bound their batches by the gate)
 
 
 def _arm(arm: str, warm: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -51,7 +55,8 @@ def _arm(arm: str, warm: Path, work: Path, args: argparse.Namespace) -> dict[str
     port = find_free_port()
     url = f"http://127.0.0.1:{port}"
     overrides = [
-        "--model.hf_path", str(warm), "--launch.run_dir", str(run_dir), "--algo.name", arm,
+        "--model.hf_path", str(warm), "--launch.run_dir", str(run_dir), "--algo.name", arm.removesuffix("_drop"),
+        "--bus.admission", ADMISSION.get(arm, "true"),
         "--algo.grpo.group_size", str(args.group), "--algo.value.pretrain_samples", "0",
         "--learner.trajectories_per_step", str(args.trajectories_per_step), "--learner.max_steps", str(args.steps),
         "--learner.save_interval", "1000", "--rollout.concurrency", str(args.concurrency),
@@ -107,6 +112,7 @@ def _measure(arm: str, run_dir: Path, busy0: dict[str, Any], busy1: dict[str, An
     learner_busy = sum(r.get(k, 0.0) for r in steps for k in busy)
     engine_busy = busy1["busy_s"] - busy0["busy_s"]
     latencies = [t["finished_at"] - t["started_at"] for t in ledger]
+    generated = busy1["generated_tokens"] - busy0["generated_tokens"]
     return {
         "arm": arm,
         "window_s": window,
@@ -114,8 +120,10 @@ def _measure(arm: str, run_dir: Path, busy0: dict[str, Any], busy1: dict[str, An
         "trajectories_per_s": len(ledger) / window,
         "learner_busy": learner_busy / window,
         "engine_busy": engine_busy / window,
-        "generated_tokens": busy1["generated_tokens"] - busy0["generated_tokens"],
+        "generated_tokens": generated,
         "trained_action_tokens": sum(t["action_tokens"] for t in ledger),
+        "trained_share": sum(t["action_tokens"] for t in ledger) / max(generated, 1),
+        "stale_dropped": max((r.get("bus/stale_dropped", 0.0) for r in steps), default=0.0),
         "staleness_mean": statistics.fmean(r.get("staleness/mean", 0.0) for r in steps),
         "staleness_max": max(r.get("staleness/max", 0.0) for r in steps),
         "reward_mean": statistics.fmean(t["reward"] for t in ledger),
@@ -128,7 +136,17 @@ def _measure(arm: str, run_dir: Path, busy0: dict[str, Any], busy1: dict[str, An
     }
 
 
-MEDIAN_KEYS = ("trajectories_per_s", "learner_busy", "engine_busy", "generated_tokens", "window_s", "train_s_mean")
+MEDIAN_KEYS = (
+    "trajectories_per_s",
+    "learner_busy",
+    "engine_busy",
+    "generated_tokens",
+    "window_s",
+    "train_s_mean",
+    "trained_share",
+    "stale_dropped",
+    "staleness_max",
+)
 
 
 def _medians(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -169,9 +187,17 @@ def main() -> None:
     print(f"medians of {args.repeats} run(s):")
     for arm, m in medians.items():
         print(f"{arm:>10}: {m['trajectories_per_s']:.2f} trajectories/s, learner busy {m['learner_busy']:.2f}, "
-              f"engine busy {m['engine_busy']:.2f}, {m['generated_tokens']:.0f} tokens generated")  # fmt: skip
+              f"engine busy {m['engine_busy']:.2f}, {m['generated_tokens']:.0f} tokens generated, "
+              f"{m['trained_share']:.2f} of them trained, {m['stale_dropped']:.0f} dropped as stale, staleness max "
+              f"{m['staleness_max']:.0f}")  # fmt: skip
     if "sao" in medians and "grpo" in medians:
         print(f"speed-up sao/grpo {medians['sao']['trajectories_per_s'] / medians['grpo']['trajectories_per_s']:.2f}")
+    if "sao_drop" in medians and "grpo" in medians:
+        ratio = medians["sao_drop"]["trajectories_per_s"] / medians["grpo"]["trajectories_per_s"]
+        print(f"speed-up sao_drop/grpo {ratio:.2f}")
+    for arm in ("sao", "sao_drop"):
+        if arm in medians:
+            print(f"share of generated tokens trained, {arm}: {medians[arm]['trained_share']:.2f}")
     if "sao" in medians and "grpo_async" in medians:
         ratio = medians["sao"]["trajectories_per_s"] / medians["grpo_async"]["trajectories_per_s"]
         print(f"speed-up sao/grpo_async {ratio:.2f}")

@@ -31,6 +31,7 @@ class Session:
     received: int = 0  # cumulative data messages received (accepted or not)
     queued: int = 0  # its trajectories waiting in the learner's queue
     granted_sent: int = 0  # `granted` as last told to the producer
+    starts_sent: int = 0  # rollout admission: starts granted to its stream as last told to the producer
     acks: list[int] = field(default_factory=list)  # receipt acks not yet sent
 
     @property

@@ -45,11 +45,23 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     demand: int  # cumulative count of data messages the producer wants to send in this session
 
 
+class Starts(msgspec.Struct, frozen=True):
+    """A producer's episode starts under rollout admission (bus/admission.py): what it asks for and what it holds.
+    Counters are cumulative over the producer process, so a new session or a restarted receiver picks them up."""
+
+    wanted: int  # starts asked for: those made plus those the producer could make now
+    used: int  # starts made, each under a grant
+    held: int  # trajectories started that the receiver may not hold: running, or sent and not receipt-acked
+    oldest: int  # lowest weight version among them (a running episode counts its engines' version at its start) and,
+    # while it wants starts, its engines' version now; -1: none
+
+
 class Ping(msgspec.Struct, tag="ping", frozen=True):
-    """Heartbeat and credit request."""
+    """Heartbeat and credit request; with rollout admission, the producer's starts."""
 
     base: int  # as in Hello
     demand: int  # as in Hello (sent messages + messages waiting for credit)
+    starts: Starts | None = None  # None: the producer starts episodes without asking
 
 
 class Data(msgspec.Struct, tag="data", frozen=True):
@@ -78,6 +90,7 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True):
     committed_low: int  # every seq below it is committed
     committed_above: list[int]  # committed seqs at or above committed_low
     granted: int  # cumulative credits granted in this session
+    admits: bool = False  # the receiver grants episode starts (rollout admission): ask before starting one
 
 
 class Pong(msgspec.Struct, tag="pong", frozen=True):
@@ -87,6 +100,7 @@ class Pong(msgspec.Struct, tag="pong", frozen=True):
     session: int  # the session number the receiver knows for this connection (-1 when not known)
     known: bool  # False: the receiver has no session for this connection -> say Hello again
     granted: int  # cumulative credits granted in this session (0 when not known)
+    starts_granted: int = 0  # rollout admission: cumulative starts granted to the producer (Starts.used counts them)
 
 
 class Ack(msgspec.Struct, tag="ack", frozen=True):
@@ -96,6 +110,7 @@ class Ack(msgspec.Struct, tag="ack", frozen=True):
     session: int  # as in Welcome
     seqs: list[int]  # sequence numbers that arrived intact and were queued for the learner
     granted: int  # cumulative credits granted in this session
+    starts_granted: int = 0  # as in Pong
 
 
 class Commit(msgspec.Struct, tag="commit", frozen=True):

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from megatron_sao.bus.admission import AdmissionBook
 from megatron_sao.bus.dedup import DedupState
 from megatron_sao.bus.metrics import Counters
 from megatron_sao.bus.protocol import Reason
@@ -41,7 +42,12 @@ class TrajectoryReceiver:
         current_version: Callable[[], int] | None = None,
         *,
         state: dict[str, Any] | None = None,
+        admission_per_step: int | None = None,
+        pretraining: Callable[[], bool] | None = None,
     ) -> None:
+        """`admission_per_step`: trajectories per policy version, for rollout admission (bus.admission with
+        bus.max_staleness; None: producers start freely); `pretraining()`: True while takes train no policy version
+        (value pre-training), so they do not count towards one."""
         self.cfg = cfg
         self._counters = Counters(*_COUNTERS, *(f"rejected_{r.value}" for r in Reason))
         self._dedup = DedupState(cfg.dedup_recent_ids, cfg.max_streams)
@@ -49,13 +55,18 @@ class TrajectoryReceiver:
             current_version, cfg.max_staleness, cfg.stale_policy, cfg.stale_log_dir, cfg.stale_recent_ids
         )
         self._inbox = Inbox()
+        self._current_version = current_version
+        self._pretraining = pretraining
+        self._admission = None
+        if cfg.admission and cfg.max_staleness is not None and admission_per_step and current_version is not None:
+            self._admission = AdmissionBook(cfg.max_staleness, admission_per_step, current_version)
         self._wake_batch = max(1, min(cfg.recv_queue_size, cfg.max_inflight) // 8)
         self._saved_views: list[dict[str, tuple[int, tuple[int, ...]]]] = []  # of the last state_dict() calls
         self._saved_since_commit = False
         self._closed = False
         if state is not None:
             self._load(state)
-        self._io = ReceiverIO(cfg, self._counters, self._inbox)
+        self._io = ReceiverIO(cfg, self._counters, self._inbox, self._admission)
         self._io.start()
 
     # ---- receiving ---------------------------------------------------------------------------------------------
@@ -71,6 +82,11 @@ class TrajectoryReceiver:
             raise ValueError(f"recv_batch(n={n}): n must be >= 1")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         out: list[Trajectory] = []
+        if self._admission is not None:
+            with self._inbox.cv:
+                moved = self._count_towards_version(0)
+            if moved:  # a new version since the last take makes room before anything arrives
+                self._io.wake()
         while len(out) < n:
             items = self._take(n - len(out), deadline)
             if not items:
@@ -80,6 +96,18 @@ class TrajectoryReceiver:
                 if traj is not None:
                     out.append(traj)
         return out
+
+    def _count_towards_version(self, taken: int) -> bool:
+        """Rollout admission (inbox lock held): takes count towards the batch of the version they train at, in the
+        same breath as they leave the queue, so a trajectory is always counted somewhere (duplicates and stale
+        ones too: counting more only delays a start); value pre-training takes count nothing. True when the
+        version moved since the last take: that makes room for starts, so the I/O thread should look at once."""
+        version = int(self._current_version())  # type: ignore[misc]
+        counts = not (self._pretraining is not None and self._pretraining())
+        last, n = self._inbox.taken
+        moved = version != last
+        self._inbox.taken = (version, (0 if moved else n) + (taken if counts else 0))
+        return moved
 
     def _take(self, want: int, deadline: float | None) -> list[Item]:
         """Up to `want` queued items; [] at the deadline.
@@ -109,6 +137,8 @@ class TrajectoryReceiver:
             for item in items:
                 inbox.queued_bytes -= item.nbytes
                 inbox.freed.append(item.rid)
+            if self._admission is not None and items:
+                self._count_towards_version(len(items))
             # return credits in batches, but at once when the queue ran dry (the producers must not starve)
             wake = bool(items) and (len(inbox.freed) >= self._wake_batch or not inbox.queue)
         if wake:

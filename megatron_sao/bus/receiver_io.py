@@ -1,8 +1,9 @@
 """The receiver's I/O thread: owns the ROUTER socket, checks every incoming frame, queues trajectories, acks.
 
 Owned here: the socket loop, the limits and checks applied before anything reaches the learner (sizes, envelope,
-session, credit, sequence window, codec.decode + validate), receipt acks and credits (via credits.py), commit acks
-to producers, and socket events (auth failures, disconnects). Called only by receiver.py, which starts it and
+session, credit, sequence window, codec.decode + validate), receipt acks and credits (via credits.py), episode
+starts under rollout admission (via admission.py), commit acks to producers, and socket events (auth failures,
+disconnects). Called only by receiver.py, which starts it and
 talks to it through `Inbox` (the queue and the commit state) plus a wake-up socket. Nothing here raises on bad
 input: every refusal is counted as rejected_<reason> and, when it names a seq, answered with a Reject.
 """
@@ -21,6 +22,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from megatron_sao.bus import auth, codec, protocol
+from megatron_sao.bus.admission import AdmissionBook
 from megatron_sao.bus.credits import CreditBook, Session
 from megatron_sao.bus.dedup import stream_key
 from megatron_sao.bus.metrics import Counters
@@ -56,6 +58,7 @@ class Item:
     seq: int  # its sequence number in the stream
     base: int  # the producer's base when it was sent
     nbytes: int  # payload bytes (queue accounting)
+    oldest: int = -1  # the lowest weight version of its action tokens (-1: none), for rollout admission
 
 
 class Inbox:
@@ -70,6 +73,7 @@ class Inbox:
         self.committed: dict[str, tuple[int, tuple[int, ...]]] = {}  # stream -> (low, above): in a checkpoint
         self.dirty: set[str] = set()  # streams whose commit state changed and must be told
         self.latest_base: dict[str, int] = {}  # stream -> the producer's latest base (for dedup pruning)
+        self.taken: tuple[int, int] = (-1, 0)  # (version, takes accepted at it towards its batch): rollout admission
         self.error: BaseException | None = None  # set when the I/O thread died
         self.stopping = False
         self.wake_pending = False
@@ -78,10 +82,13 @@ class Inbox:
 class ReceiverIO:
     """Binds at construction (errors surface in the caller), then serves from its own thread until stop()."""
 
-    def __init__(self, cfg: BusConfig, counters: Counters, inbox: Inbox) -> None:
+    def __init__(
+        self, cfg: BusConfig, counters: Counters, inbox: Inbox, admission: AdmissionBook | None = None
+    ) -> None:
         self.cfg = cfg
         self.counters = counters
         self.inbox = inbox
+        self.admission = admission
         self.incarnation = secrets.token_hex(8)
         self.limits = codec.Limits(cfg.max_frame_bytes, cfg.max_message_bytes, cfg.max_header_bytes)
         self.book = CreditBook(cfg.recv_queue_size, cfg.max_inflight)
@@ -194,6 +201,8 @@ class ReceiverIO:
                 for s in self.book.expire(now, self.cfg.peer_timeout_s):
                     self.counters.add("sessions_expired")
                     self._to_ack.pop(s.rid, None)
+                    if self.admission is not None:
+                        self.admission.forget(s.stream)
                 next_tick = now + tick
             self._grant_and_ack(force=tick_due)
 
@@ -224,18 +233,38 @@ class ReceiverIO:
         allow = self.inbox.queued_bytes < self.cfg.recv_queue_bytes  # int read; a stale value only delays a grant
         for s in self.book.allocate(allow):
             self._to_ack[s.rid] = s
+        self._grant_starts()
         if not self._to_ack:
             return
         pending, self._to_ack = self._to_ack, {}
         for rid, s in pending.items():
             if rid not in self.book.sessions:
                 continue
-            if s.granted != s.granted_sent or len(s.acks) >= _ACK_BATCH or (force and s.acks):
-                self._send(rid, protocol.Ack(self.incarnation, s.nonce, s.acks, s.granted))
+            starts = self._starts_granted(s)
+            if (s.granted != s.granted_sent or starts != s.starts_sent or len(s.acks) >= _ACK_BATCH
+                    or (force and s.acks)):  # fmt: skip
+                self._send(rid, protocol.Ack(self.incarnation, s.nonce, s.acks, s.granted, starts))
                 s.acks = []
-                s.granted_sent = s.granted
+                s.granted_sent, s.starts_sent = s.granted, starts
             elif s.acks:
                 self._to_ack[rid] = s
+
+    def _grant_starts(self) -> None:
+        """Rollout admission: grant the starts the rule allows now (admission.py); their sessions get an Ack."""
+        if self.admission is None or not self.admission.producers:
+            return
+        with self.inbox.cv:
+            queued = len(self.inbox.queue)
+            oldest = min((i.oldest for i in self.inbox.queue if i.oldest >= 0), default=None)
+            taken = self.inbox.taken
+        for stream, _ in self.admission.grant(queued, oldest, taken):
+            rid = self.book.by_stream.get(stream)
+            s = self.book.sessions.get(rid) if rid is not None else None
+            if s is not None:
+                self._to_ack[rid] = s  # type: ignore[index]
+
+    def _starts_granted(self, s: Session) -> int:
+        return 0 if self.admission is None else self.admission.granted(s.stream)
 
     def _send(self, rid: bytes, msg: protocol.ToSender) -> None:
         try:
@@ -318,6 +347,8 @@ class ReceiverIO:
             self._set_latest_base(s.stream, env.base)
             self.book.close(rid)
             self._to_ack.pop(rid, None)
+            if self.admission is not None:
+                self.admission.forget(s.stream)
         return None
 
     def _set_latest_base(self, stream: str, base: int) -> None:
@@ -339,18 +370,23 @@ class ReceiverIO:
             low, above = self.inbox.committed.get(stream, (0, ()))
         self.counters.add("hellos")
         above_base = [a for a in above if a >= env.base]
-        welcome = protocol.Welcome(protocol.PROTOCOL_VERSION, env.session, self.incarnation, low, above_base, 0)
+        welcome = protocol.Welcome(protocol.PROTOCOL_VERSION, env.session, self.incarnation, low, above_base, 0,
+                                   self.admission is not None)  # fmt: skip
         return self._send(rid, welcome)
 
     def _on_ping(self, rid: bytes, s: Session | None, env: protocol.Ping) -> None:
         if s is None:
             return self._send(rid, protocol.Pong(self.incarnation, -1, False, 0))
         self.book.update_demand(s, env.demand)
+        if env.starts is not None and self.admission is not None:
+            self.admission.report(s.stream, rid, env.starts)
+            self._grant_starts()
         with self.inbox.cv:
             self.inbox.latest_base[s.stream] = env.base
             low, above = self.inbox.committed.get(s.stream, (0, ()))
-        self._send(rid, protocol.Pong(self.incarnation, s.nonce, True, s.granted))
-        s.granted_sent = s.granted
+        starts = self._starts_granted(s)
+        self._send(rid, protocol.Pong(self.incarnation, s.nonce, True, s.granted, starts))
+        s.granted_sent, s.starts_sent = s.granted, starts
         if low > env.base:  # the producer missed a commit (e.g. a dropped control message): say it again
             self._send(rid, protocol.Commit(self.incarnation, low, list(above)))
         return None
@@ -375,8 +411,11 @@ class ReceiverIO:
         except codec.FrameError as e:
             return self._reject(e.reason, e.detail, rid, seq)
         inbox = self.inbox
+        oldest = None
+        if self.admission is not None:
+            oldest = traj.extras["oldest_version"] = traj.oldest_version()  # the staleness gate reads it too
         with inbox.cv:
-            inbox.queue.append(Item(traj, rid, s.stream, seq, base, nbytes))
+            inbox.queue.append(Item(traj, rid, s.stream, seq, base, nbytes, -1 if oldest is None else oldest))
             inbox.queued_bytes += nbytes
             if 0 < inbox.waiting_for <= len(inbox.queue):
                 inbox.cv.notify()

@@ -22,6 +22,7 @@ import msgspec
 import zmq
 
 from megatron_sao.bus import auth, codec, protocol
+from megatron_sao.bus.admission import StartBook
 from megatron_sao.bus.schema import Trajectory
 from megatron_sao.bus.sender_io import Entry, Outbox, SenderIO
 from megatron_sao.bus.spool import RESERVE_BLOCK, Spool
@@ -157,8 +158,52 @@ class TrajectorySender:
             ob.next_seq = seq + 1
             if self._spool is not None:
                 self._spool.write(seq, h.trajectory_id, frames)
-            ob.add(Entry(seq, h.trajectory_id, nbytes, frames))
+            oldest = traj.oldest_version()
+            ob.add(Entry(seq, h.trajectory_id, nbytes, frames, oldest=-1 if oldest is None else oldest))
         self._wake()
+
+    def take_starts(self, k: int, floor: int) -> int:
+        """Rollout admission (bus/admission.py): ask to start `k` episodes with the engines at weight version `floor`;
+        returns how many may start now (0..k). Each one counts as running from `floor` until end_start(floor), which
+        comes after its trajectory went to send() (or after it was given up). The learner grants the rest as room
+        appears; ask again then."""
+        if k < 0 or floor < 0:
+            raise ValueError(f"take_starts(k={k}, floor={floor}): both must be >= 0")
+        ob = self._outbox
+        with ob.cv:
+            if ob.starts is None:
+                ob.starts = StartBook()
+            made = ob.starts.take(k, floor)
+            ask = made < k
+        if ask:
+            self._wake()  # the I/O thread reports the ask at once
+        return made
+
+    def end_start(self, floor: int) -> None:
+        """An episode started by take_starts(.., floor) ended (its trajectory was sent, or it was given up)."""
+        with self._outbox.cv:
+            if self._outbox.starts is not None:
+                self._outbox.starts.end(floor)
+
+    def wait_starts(self, timeout_s: float) -> None:
+        """Wait until the learner granted starts not yet taken, or timeout_s passed."""
+        ob = self._outbox
+        deadline = time.monotonic() + timeout_s
+        with ob.cv:
+            while ob.starts is not None and ob.starts.granted <= ob.starts.used and ob.error is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                ob.cv.wait(remaining)
+
+    @property
+    def admitting(self) -> bool | None:
+        """Whether the producer must ask take_starts before each episode: the config asks for rollout admission
+        (bus.admission with bus.max_staleness) and the receiver grants starts (it said so when it welcomed this
+        producer). None: configured, but no receiver answered yet (wait: nothing can be sent either)."""
+        if not self.cfg.admission or self.cfg.max_staleness is None:
+            return False
+        return self._io.admits
 
     def _has_room(self, nbytes: int, slack: int) -> bool:
         ob = self._outbox

@@ -19,6 +19,7 @@ import msgspec
 import zmq
 
 from megatron_sao.bus import protocol
+from megatron_sao.bus.admission import StartBook
 from megatron_sao.bus.metrics import Counters
 from megatron_sao.bus.spool import Spool, SpoolCorrupt
 from megatron_sao.config.bus import BusConfig
@@ -39,6 +40,7 @@ class Entry:
     frames: list[bytes | memoryview] | None  # payload frames in memory; None: only in the spool
     state: int = UNSENT
     sent_at: float = 0.0
+    oldest: int = -1  # the lowest weight version of its action tokens (-1: none or not known), for rollout admission
 
 
 class Outbox:
@@ -55,6 +57,7 @@ class Outbox:
         self.error: BaseException | None = None
         self.stopping = False
         self.wake_pending = False
+        self.starts: StartBook | None = None  # rollout admission, once the producer asks for starts
 
     def add(self, entry: Entry) -> None:
         self.entries[entry.seq] = entry
@@ -100,6 +103,8 @@ class SenderIO:
         self.granted = 0
         self.sent = 0
         self.reported_demand = 0
+        self.reported_starts: protocol.Starts | None = None
+        self.admits: bool | None = None  # whether the receiver grants starts (None: no Welcome yet)
         self.last_heard = time.monotonic()
         self.last_hello = -float("inf")
         self.hello_sent = False
@@ -148,12 +153,24 @@ class SenderIO:
         with self.outbox.cv:
             demand = self.sent + len(self.outbox.unsent)
             base = self.outbox.base()
+            starts = self._starts_report()
+            # a producer waiting for starts reports whatever changed at once (the receiver may grant on it)
+            waiting = starts is not None and starts.wanted > self.outbox.starts.granted  # type: ignore[union-attr]
         starving = demand > self.reported_demand and self.sent >= self.granted  # tell the receiver at once
-        if now - self.last_ping >= self.cfg.heartbeat_s or starving:
+        waiting = waiting and starts != self.reported_starts
+        if now - self.last_ping >= self.cfg.heartbeat_s or starving or waiting:
             self.last_ping = now
             self.reported_demand = demand
-            self._send_control(protocol.Ping(base, demand))
+            self.reported_starts = starts
+            self._send_control(protocol.Ping(base, demand, starts))
         return None
+
+    def _starts_report(self) -> protocol.Starts | None:
+        """Rollout admission (outbox lock held): the starts report, counting every trajectory not receipt-acked."""
+        book = self.outbox.starts
+        if book is None:
+            return None
+        return book.report(e.oldest for e in self.outbox.entries.values() if e.state != RECEIVED)
 
     def _awaiting_receipt(self, seq: int) -> bool:
         e = self.outbox.entries.get(seq)
@@ -210,11 +227,12 @@ class SenderIO:
                     self._hello(time.monotonic())  # receiver restarted or forgot us
                 return None
             self.granted = max(self.granted, msg.granted)
-            return None
+            return self._on_starts(msg.starts_granted)
         assert isinstance(msg, protocol.Ack)
         if not self.welcomed or msg.session != self.session or msg.incarnation != self.incarnation:
             return None
         self.granted = max(self.granted, msg.granted)
+        self._on_starts(msg.starts_granted)
         with self.outbox.cv:
             for seq in msg.seqs:
                 e = self.outbox.entries.get(seq)
@@ -224,6 +242,14 @@ class SenderIO:
                         self.outbox.drop_frames(e)  # it is on disk; reread only if it must be resent
             self.outbox.cv.notify_all()
         return None
+
+    def _on_starts(self, granted: int) -> None:
+        """Rollout admission: the receiver's cumulative grant (a restarted receiver starts again from our count)."""
+        with self.outbox.cv:
+            book = self.outbox.starts
+            if book is not None and granted > book.granted:
+                book.granted = granted
+                self.outbox.cv.notify_all()
 
     def _on_welcome(self, msg: protocol.Welcome) -> None:
         if msg.proto != protocol.PROTOCOL_VERSION:
@@ -238,6 +264,11 @@ class SenderIO:
             log.info("bus: receiver restarted (incarnation %s); resending everything uncommitted", msg.incarnation)
             self.counters.add("receiver_restarts")
         self.incarnation = msg.incarnation
+        self.admits = msg.admits
+        if new_receiver:
+            with self.outbox.cv:
+                if self.outbox.starts is not None:  # grants of a receiver that is gone are void
+                    self.outbox.starts.granted = self.outbox.starts.used
         self._on_commit(msg.committed_low, msg.committed_above)
         with self.outbox.cv:
             for e in self.outbox.entries.values():
@@ -249,6 +280,7 @@ class SenderIO:
         self.granted = msg.granted
         self.sent = 0
         self.reported_demand = 0
+        self.reported_starts = None
         self.last_ping = -float("inf")  # report demand at once
 
     def _on_commit(self, low: int, above: list[int]) -> None:

@@ -84,7 +84,15 @@ class BusConfig(Section):
     """Largest allowed gap, in weight versions, between the learner and a trajectory's oldest token."""
 
     stale_policy: Literal["drop", "keep"] = "drop"
-    """What to do with trajectories over max_staleness (both are counted and recorded by id)."""
+    """What to do with trajectories over max_staleness (both are counted and recorded by id). With `admission` none
+    started under it goes over; what still does (started before a learner restart, or by a producer that does not
+    ask) meets this policy."""
+
+    admission: bool = True
+    """Rollout admission (bus/admission.py, docs/bus.md): with max_staleness set, the streaming arms start an episode
+    only while it can be trained within max_staleness versions of its oldest token, so nothing is generated to be
+    dropped as stale; the learner grants the starts over the bus. false: episodes start freely and those over the
+    bound meet stale_policy. Group arms (grpo, grpo_async) bound their batches by the rollout's batch gate instead."""
 
     stale_log_dir: str | None = None
     """Directory of `stale.jsonl`: one line per trajectory over max_staleness (dropped or kept). Left unset in a run's

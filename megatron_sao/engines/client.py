@@ -439,6 +439,15 @@ class EngineRouter:
                 self._versions[c.url] = v
         return min(versions) if versions else None
 
+    def version_floor(self) -> int | None:
+        """A weight version no healthy engine is below: the lowest each last reported, else asked now (None: no
+        engine answers). Versions only grow, so an episode started later generates at this version or newer
+        (rollout admission, rollout/worker.py)."""
+        with self._lock:
+            known = [v for u, v in self._versions.items() if self._healthy[u]]
+            every = len(known) == sum(self._healthy.values())
+        return min(known) if known and every else self.current_version()
+
     def lagging(self) -> list[str]:
         """Healthy engines behind the newest weights seen (no new work goes to them)."""
         with self._lock:

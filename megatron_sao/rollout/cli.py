@@ -44,6 +44,17 @@ class StoppableSink:
         """Sent, not yet committed and not spooled: lost if this process dies now (bus.spool_dir unset)."""
         return set() if self.sender.durable else set(self.sender.pending_ids())
 
+    # rollout admission (bus/admission.py): the learner grants episode starts
+    @property
+    def admitting(self) -> bool | None:
+        return self.sender.admitting  # type: ignore[no-any-return]
+
+    def take_starts(self, k: int, floor: int) -> int:
+        return self.sender.take_starts(k, floor)  # type: ignore[no-any-return]
+
+    def end_start(self, floor: int) -> None:
+        self.sender.end_start(floor)
+
 
 def main(argv: list[str]) -> int:
     from megatron_sao.distributed.spawn import die_with_parent_if_asked

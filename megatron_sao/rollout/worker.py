@@ -55,7 +55,9 @@ class TrajectorySink(Protocol):
     re-issued by the next run. A sink whose trajectories are not durable once sent (a bus without a spool, until the
     learner commits them) also has `volatile_ids() -> set[str]`: the cursor saves their prompts as pending. A sink that
     can refuse or lose a trajectory after send() returned has `rejected() -> [(id, reason, detail)]`: each is recorded
-    in the ledger, and a prompt whose trajectory was lost from a damaged spool file is generated again."""
+    in the ledger, and a prompt whose trajectory was lost from a damaged spool file is generated again. A sink under
+    rollout admission (bus/admission.py) has `admitting`, `take_starts(k, floor)` and `end_start(floor)`: an episode
+    starts only under a start the learner granted."""
 
     def send(self, traj: Trajectory) -> None: ...
 
@@ -134,6 +136,7 @@ class _Task:
     sample_index: int
     attempt: int = 1
     not_before: float = 0.0  # monotonic time before which a re-issued task is not started (back-off)
+    floor: int | None = None  # rollout admission: the engines' version its granted start counts from (kept on retry)
 
 
 @dataclass
@@ -211,6 +214,7 @@ class RolloutWorker:
         self._probe: cf.Future[dict[str, bool]] | None = None
         self._groups: dict[str, dict[int, Trajectory]] = {}  # group arms: finished samples, held until the group is in
         self._failed_samples: dict[str, int] = {}
+        self._granted: list[int] = []  # rollout admission: starts granted and not yet given to an episode (floors)
         self.gate: BatchGate | None = None
         if cfg.batch_prompts is not None:
             if router is None:
@@ -295,13 +299,15 @@ class RolloutWorker:
                             exhausted = True
                     if not queue:
                         break
+                    if not self._admitted(queue[0], self.cfg.concurrency - len(running) - len(self._backoff)):
+                        break  # the learner grants more as it trains (bus/admission.py)
                     task = queue.pop(0)
                     running[pool.submit(self._episode, task)] = task
                 waiting = self.gate is not None and not exhausted and (max_prompts is None or taken < max_prompts)
-                if not running and not self._backoff and not waiting:
+                if not running and not self._backoff and not waiting and not queue:
                     break
                 wake = min((t.not_before for t in self._backoff), default=now + 1.0)
-                if waiting and not running:
+                if (waiting and not running) or queue:
                     wake = min(wake, now + self.cfg.gate_poll_s)
                 timeout = min(max(wake - time.monotonic(), 0.0), 1.0)
                 if running:
@@ -315,6 +321,9 @@ class RolloutWorker:
                     next_log = time.monotonic() + self.cfg.log_interval_s
             for fut in cf.as_completed(running):  # stop requested: finish what is in flight
                 self._collect(fut, running[fut])
+        for floor in self._granted:  # granted starts no episode took: the learner may grant them to others
+            self.sink.end_start(floor)  # type: ignore[attr-defined]
+        self._granted = []
         self._health_pool = None
         self.log_status()
         return self.status()
@@ -353,6 +362,34 @@ class RolloutWorker:
                             return str(x["prompt"])
         return None
 
+    def _admitted(self, task: _Task, free: int) -> bool:
+        """Rollout admission: whether `task` may start now, holding a start the learner granted (a re-issued task
+        keeps its own). Without admission (group arms, a sink that does not ask, a receiver that does not grant)
+        every task may."""
+        if task.floor is not None or self.gate is not None:
+            return True
+        admitting = getattr(self.sink, "admitting", False)
+        if admitting is False:
+            return True
+        if admitting is None:  # no learner answered yet: nothing started now could be sent either
+            return False
+        if not self._granted:
+            if self.router is None:
+                raise ValueError("rollout admission needs the engine router to read the engines' weight version")
+            floor = self.router.version_floor()
+            if floor is None:
+                return False  # no engine answers: the episode could not run anyway
+            self._granted += [floor] * self.sink.take_starts(max(free, 1), floor)  # type: ignore[attr-defined]
+            if not self._granted:
+                return False
+        task.floor = self._granted.pop()
+        return True
+
+    def _end_start(self, task: _Task) -> None:
+        """The episode of an admitted `task` is over (its trajectory was handed to the sink, or it was given up)."""
+        if task.floor is not None and hasattr(self.sink, "end_start"):
+            self.sink.end_start(task.floor)
+
     def _may_take(self) -> bool:
         """Streaming: always. Group arms: while the current batch has room, else once the next one may open."""
         if self.gate is None:
@@ -387,12 +424,14 @@ class RolloutWorker:
                 exc_info=e,
             )
             self._sample_failed(task.key, task.sample_index)
+            self._end_start(task)
             return
         if self.gate is not None:  # group arms: a group goes out whole, in sample order, or not at all
             self._groups.setdefault(task.key, {})[task.sample_index] = traj
             self._sample_finished(task.key)
             return
         self._send(task.key, task.sample_index, traj)
+        self._end_start(task)
         self._sample_finished(task.key)
 
     def _send(self, key: str, sample_index: int, traj: Trajectory) -> None:
@@ -453,6 +492,7 @@ class RolloutWorker:
                 *(pid, task.key, task.sample_index, task.attempt, error),
             )
             self._sample_failed(task.key, task.sample_index)
+            self._end_start(task)
             return
         log.warning(
             "re-issuing prompt %s (%s) sample %d (attempt %d): %r",
@@ -460,7 +500,7 @@ class RolloutWorker:
         )
         self.metrics.reissued += 1
         self._probe_engines()
-        again = _Task(task.key, task.record, task.sample_index, task.attempt + 1)
+        again = _Task(task.key, task.record, task.sample_index, task.attempt + 1, floor=task.floor)
         again.not_before = time.monotonic() + self.cfg.retry_backoff_s * task.attempt
         self._backoff.append(again)
 

@@ -300,8 +300,12 @@ class _Run:
         if self.rank0:
             # staleness is judged against the version a trajectory will be trained at: one more while the next
             # step's batch is taken before this step's policy update (look_ahead)
+            # rollout admission (bus.admission): the streaming arms' starts, granted so that each trajectory trains
+            # within bus.max_staleness versions; the group arms' batches are bounded by the worker's batch gate
+            per_step = None if cfg.algo.grouped else cfg.learner.trajectories_per_step
             self.receiver = TrajectoryReceiver(cfg.bus, lambda: learner.version + self.taking_ahead,
-                                               state=extra.get("bus"))  # fmt: skip
+                                               state=extra.get("bus"), admission_per_step=per_step,
+                                               pretraining=lambda: self.pretrain.active)  # fmt: skip
         group = cfg.algo.rollouts_per_prompt if cfg.algo.grouped else None
         n = cfg.learner.trajectories_per_step
         self.batches = Batches(self.receiver, n, group, extra.get("held"), cfg.bus) if self.rank0 else None

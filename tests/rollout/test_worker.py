@@ -340,6 +340,9 @@ class FakeRouter:
     def stats(self) -> dict[str, Any]:
         return {}
 
+    def check_health(self) -> dict[str, bool]:
+        return {}
+
 
 def _batched(tmp_path: Path, engine: VersionedEngine, lag: int, batches: int, prompts: int = 2, group: int = 2,
              n: int = 40) -> tuple[RolloutWorker, InMemorySink, threading.Thread]:  # fmt: skip
@@ -397,3 +400,66 @@ def test_a_group_with_a_failed_sample_is_dropped_and_replaced(tmp_path: Path) ->
     learner.join(60)
     assert status["dropped_groups"] == 1 and len(sink.items) == 8
     assert "q1" not in {t.header.prompt_id for t in sink.items}
+
+
+class GrantingSink(InMemorySink):
+    """A sink under rollout admission: `grants` starts at first, one more per trajectory it takes (as a learner
+    that trains them makes room); records how many episodes ran at once under its grants."""
+
+    admitting = True
+
+    def __init__(self, grants: int) -> None:
+        super().__init__()
+        self.available, self.running, self.most, self.floors = grants, 0, 0, []
+
+    def take_starts(self, k: int, floor: int) -> int:
+        with self._lock:
+            made = min(k, self.available)
+            self.available -= made
+            self.running += made
+            self.most = max(self.most, self.running)
+            self.floors += [floor] * made
+            return made
+
+    def end_start(self, floor: int) -> None:
+        with self._lock:
+            self.running -= 1
+
+    def send(self, traj: Any) -> None:
+        super().send(traj)
+        with self._lock:
+            self.available += 1
+
+
+class FloorRouter:
+    def version_floor(self) -> int:
+        return 3
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def check_health(self) -> dict[str, bool]:
+        return {}
+
+
+def test_under_admission_episodes_start_only_under_granted_starts_and_give_them_back(tmp_path: Path) -> None:
+    worker, _ = make_worker(FlakyEngine(fail_once={"number 1?"}), 10, tmp_path)  # a re-issue keeps its start
+    sink = worker.sink = GrantingSink(grants=2)
+    worker.router = FloorRouter()  # type: ignore[assignment]
+    status = worker.run()
+    assert sorted(t.header.prompt_id for t in sink.items) == sorted(f"q{i}" for i in range(10))
+    assert status["reissued"] == 1
+    assert sink.most == 2  # concurrency 4, but two granted starts at a time
+    assert sink.running == 0  # every start taken was given back (episodes ended, and the unused ones at the end)
+    assert set(sink.floors) == {3}
+
+
+def test_a_sink_that_waits_for_its_learner_starts_nothing(tmp_path: Path) -> None:
+    worker, _ = make_worker(FlakyEngine(), 3, tmp_path)
+    sink = worker.sink = GrantingSink(grants=5)
+    sink.admitting = None  # configured for admission, no learner answered yet
+    worker.router = FloorRouter()  # type: ignore[assignment]
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    worker.run(stop=stop)
+    assert not sink.items and sink.floors == []
