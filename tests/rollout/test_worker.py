@@ -340,9 +340,6 @@ class FakeRouter:
     def stats(self) -> dict[str, Any]:
         return {}
 
-    def check_health(self) -> dict[str, bool]:
-        return {}
-
 
 def _batched(tmp_path: Path, engine: VersionedEngine, lag: int, batches: int, prompts: int = 2, group: int = 2,
              n: int = 40) -> tuple[RolloutWorker, InMemorySink, threading.Thread]:  # fmt: skip
