@@ -62,6 +62,11 @@ class TrajectorySink(Protocol):
     def send(self, traj: Trajectory) -> None: ...
 
 
+FLOOR_REFRESH_S = 0.5
+"""Rollout admission: while the learner grants no start, the engines are asked for their weight version this often
+(the versions they reported with their last tokens go stale while nothing runs)."""
+
+
 class WorkerIdInUse(ValueError):
     """Another live worker holds this worker id's cursor file."""
 
@@ -215,6 +220,8 @@ class RolloutWorker:
         self._groups: dict[str, dict[int, Trajectory]] = {}  # group arms: finished samples, held until the group is in
         self._failed_samples: dict[str, int] = {}
         self._granted: list[int] = []  # rollout admission: starts granted and not yet given to an episode (floors)
+        self._denied = False  # the last ask for starts got none
+        self._floor_asked = 0.0  # when the engines were last asked for their version while denied
         self.gate: BatchGate | None = None
         if cfg.batch_prompts is not None:
             if router is None:
@@ -376,11 +383,18 @@ class RolloutWorker:
         if not self._granted:
             if self.router is None:
                 raise ValueError("rollout admission needs the engine router to read the engines' weight version")
+            now = time.monotonic()
+            if self._denied and now - self._floor_asked >= FLOOR_REFRESH_S:
+                # the versions engines reported with their last tokens go stale while nothing runs: the room the
+                # learner grants may wait on the engines' new version
+                self._floor_asked = now
+                self.router.current_version()
             floor = self.router.version_floor()
             if floor is None:
                 return False  # no engine answers: the episode could not run anyway
             self._granted += [floor] * self.sink.take_starts(max(free, 1), floor)  # type: ignore[attr-defined]
-            if not self._granted:
+            self._denied = not self._granted
+            if self._denied:
                 return False
         task.floor = self._granted.pop()
         return True

@@ -87,12 +87,12 @@ class _World:
 
 
 def _producer(addr: str, name: str, world: _World, stop: threading.Event, concurrency: int, seed: int,
-              counts: dict[str, int], admission: bool) -> None:  # fmt: skip
+              counts: dict[str, int], admission: bool, bound: int) -> None:  # fmt: skip
     """A rollout worker in small: up to `concurrency` episodes, mostly short, one in ten twenty times longer."""
     rng = random.Random(seed)
     running: list[_Episode] = []
     n = 0
-    with TrajectorySender(fast_cfg(addr, max_staleness=1, admission=admission), name) as sender:
+    with TrajectorySender(fast_cfg(addr, max_staleness=bound, admission=admission), name) as sender:
         while not stop.is_set():
             now = time.monotonic()
             for ep in [e for e in running if e.ends_at <= now]:
@@ -113,16 +113,17 @@ def _producer(addr: str, name: str, world: _World, stop: threading.Event, concur
     counts[name] = n
 
 
-def _run(workers: int, admission: bool, steps: int = 14, per_step: int = 4) -> tuple[dict[str, float], int, int]:
+def _run(workers: int, admission: bool, bound: int = 1, steps: int = 14, per_step: int = 4
+         ) -> tuple[dict[str, float], int, int]:  # fmt: skip
     addr = free_addr()
     world = _World(push_s=0.03)
     version = lambda: world.learner  # noqa: E731
     stop = threading.Event()
     counts: dict[str, int] = {}
-    cfg = fast_cfg(addr, max_staleness=1, admission=admission, stale_log_dir=None)
+    cfg = fast_cfg(addr, max_staleness=bound, admission=admission, stale_log_dir=None)
     taken = 0
     with TrajectoryReceiver(cfg, version, admission_per_step=per_step) as rx:
-        threads = [threading.Thread(target=_producer, args=(addr, f"p{i}", world, stop, 6, i, counts, admission))
+        threads = [threading.Thread(target=_producer, args=(addr, f"p{i}", world, stop, 6, i, counts, admission, bound))
                    for i in range(workers)]  # fmt: skip
         for t in threads:
             t.start()
@@ -141,14 +142,14 @@ def _run(workers: int, admission: bool, steps: int = 14, per_step: int = 4) -> t
     return metrics, taken, sum(counts.values())
 
 
-@pytest.mark.parametrize("workers", [1, 3])
-def test_admission_bounds_every_trajectorys_staleness_and_drops_nothing(workers: int) -> None:
-    metrics, taken, produced = _run(workers, admission=True)
-    assert metrics["staleness_max"] <= 1
+@pytest.mark.parametrize(("workers", "bound"), [(1, 1), (3, 1), (2, 0)])
+def test_admission_bounds_every_trajectorys_staleness_and_drops_nothing(workers: int, bound: int) -> None:
+    metrics, taken, produced = _run(workers, admission=True, bound=bound)
+    assert metrics["staleness_max"] <= bound
     assert metrics["stale_dropped"] == 0
     assert taken == 14 * 4
     # what was generated beyond the learner's takes is at most what the rule lets be outstanding at the end
-    assert produced - taken <= (1 + 1) * 4 + 1
+    assert produced - taken <= (bound + 1) * 4
 
 
 def test_without_admission_the_same_run_drops_stale_trajectories() -> None:

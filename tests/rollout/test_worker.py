@@ -429,7 +429,14 @@ class GrantingSink(InMemorySink):
 
 
 class FloorRouter:
+    def __init__(self) -> None:
+        self.asked = 0
+
     def version_floor(self) -> int:
+        return 3
+
+    def current_version(self) -> int:
+        self.asked += 1
         return 3
 
     def stats(self) -> dict[str, Any]:
@@ -449,6 +456,7 @@ def test_under_admission_episodes_start_only_under_granted_starts_and_give_them_
     assert sink.most == 2  # concurrency 4, but two granted starts at a time
     assert sink.running == 0  # every start taken was given back (episodes ended, and the unused ones at the end)
     assert set(sink.floors) == {3}
+    assert worker.router.asked >= 1  # denied, it asked the engines for their version afresh
 
 
 def test_a_sink_that_waits_for_its_learner_starts_nothing(tmp_path: Path) -> None:
