@@ -70,5 +70,6 @@ def smallest_detectable(sd_difference: float, n: int, alpha: float = 0.05, power
 def pilot_summary(pilot_differences: Sequence[float], effect: float) -> str:
     """One line for a results table: the pilot's spread and the seeds it asks for."""
     n = seeds_needed(pilot_differences, effect)
-    return (f"pilot of {len(pilot_differences)} seeds: mean difference {fmean(pilot_differences):+.3f}, sd "
-            f"{stdev(pilot_differences):.3f} -> {n} seeds detect {effect:.2f} with power 0.8 at alpha 0.05")  # fmt: skip
+    mean, sd = fmean(pilot_differences), stdev(pilot_differences)
+    return (f"pilot of {len(pilot_differences)} seeds: mean difference {mean:+.3f}, sd {sd:.3f} -> {n} seeds "
+            f"detect {effect:.2f} with power 0.8 at alpha 0.05")  # fmt: skip
