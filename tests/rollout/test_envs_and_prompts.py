@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -204,3 +205,57 @@ def test_key_chain_with_visible_difficulty_draws_lengths_alike_and_errs_by_lengt
         make_env("key_chain", {"mistakes_by_hops": rates})
     with pytest.raises(ValueError, match="one rate in"):
         make_env("key_chain", {"show_hops": True, "mistakes_by_hops": [0.1]})
+
+
+def test_key_chain_with_decoys_runs_every_episode_to_the_same_length_and_pays_only_the_true_chain() -> None:
+    import random
+    from collections import Counter
+
+    env = make_env("key_chain", {"hops": "fixed", "max_hops": 4, "decoys": True})
+    recs = env.make_prompts(400, seed=5)
+    assert {r["hops"] for r in recs} == {4}
+    rec = recs[0]
+
+    def play(turns: list[str]) -> tuple[list[str], Any]:
+        ep, seen = env.start(rec), []
+        for turn in turns:
+            step = ep.step(turn)
+            seen.append(step.observation or "")
+            if step.done:
+                break
+        return seen, ep
+
+    key, right = rec["start"], []
+    for _ in range(4):
+        right.append(f"<tool_call>{key}</tool_call>")
+        key = play(right)[0][-1].removeprefix("<tool_response>").removesuffix("</tool_response>")
+    _, ep = play([*right, f"<answer>{key}</answer>"])
+    assert ep.reward() == 1.0 and ep.metadata["decoy_at"] == 0 and ep.metadata["lookups"] == 4
+    # a wrong second key: a capitalised decoy that runs on for the chain's length, then a wrong number
+    turns = right[:1] + ["<tool_call>zz</tool_call>"]
+    for _ in range(2):
+        last = play(turns)[0][-1].removeprefix("<tool_response>").removesuffix("</tool_response>")
+        assert last.isupper() and len(last) == len(rec["start"])
+        turns.append(f"<tool_call>{last}</tool_call>")
+    number = play(turns)[0][-1].removeprefix("<tool_response>").removesuffix("</tool_response>")
+    assert number.isdigit() and int(number) != rec["answer"]
+    _, ep = play([*turns, f"<answer>{number}</answer>"])
+    assert ep.reward() == 0.0 and ep.metadata["decoy_at"] == 2 and ep.metadata["lookups"] == 4
+    assert play(turns)[0] == play(turns)[0]  # the decoy is the prompt's own: the same every time
+    # the demonstrator at a per-turn mistake rate: every episode 4 lookups and an answer; success (1 - m)^5
+    rng, lengths, solved = random.Random(2), Counter(), []
+    for r in recs:
+        ep, text, n = env.start(r), f"Start: {r['start']}", 0
+        while True:
+            turn = env.demonstrate(text, rng, 0.1)
+            n += 1
+            step = ep.step(turn)
+            if step.done:
+                break
+            text += turn + (step.observation or "")
+        lengths[n] += 1
+        solved.append(ep.reward())
+    assert lengths == Counter({5: 400})
+    assert abs(sum(solved) / len(solved) - 0.9**5) < 0.06
+    with pytest.raises(ValueError, match="hops: fixed"):
+        make_env("key_chain", {"decoys": True})

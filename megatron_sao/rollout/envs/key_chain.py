@@ -16,6 +16,13 @@ A variant where a learned value can beat a running mean (experiments/critic_matt
 chains of 1..max_hops lookups alike, `show_hops: true` ends the prompt with the chain's length (`(hops: 3)`), so the
 difficulty is visible before the first token, and `mistakes_by_hops` gives the demonstrator a per-turn mistake rate
 for each length (tools/warm_start.py then makes a model whose success falls with the length).
+
+A variant where credit inside the trajectory matters (experiments/credit.py): `hops: fixed` gives every chain
+max_hops lookups, and `decoys: true` answers a wrong key with a decoy chain instead of an error -- visibly different
+keys (capitals) that run on to the end and yield a wrong number. Every episode then has the same length (max_hops
+lookups, one answer) whatever it got wrong, so its outcome cannot correlate with its length or staleness, and the
+one turn that went wrong is what decides it: a baseline of the prompt has nothing to explain, a value of the state
+(turns left, on a decoy or not) everything. The metadata records the lookup that left the chain (`decoy_at`).
 """
 
 from __future__ import annotations
@@ -46,6 +53,10 @@ def _key(rng: random.Random, taken: set[str], length: int) -> str:
             return k
 
 
+DECOY_LETTERS = LETTERS.upper()
+"""A decoy chain's keys: visibly not the prompt's."""
+
+
 @dataclass
 class KeyChainEpisode(Episode):
     chain: dict[str, str] = field(default_factory=dict)
@@ -53,6 +64,17 @@ class KeyChainEpisode(Episode):
     final: int | None = None
     lookups: int = 0
     tool_latency_s: float = 0.0
+    hops: int = 0  # lookups to the number (decoys: on the chain and off it alike)
+    decoys: bool = False
+    decoy_at: int = 0  # decoys: the lookup that left the chain (1-based; 0: still on it)
+    rng: random.Random | None = None  # decoys: draws the decoy keys and the wrong number
+
+    def _decoy(self) -> str:
+        """The decoy's answer to this lookup: its next key, or a wrong number once the chain's length is used up."""
+        assert self.rng is not None
+        if self.lookups >= self.hops:
+            return str(self.rng.choice([n for n in range(10, 100) if n != self.answer]))
+        return "".join(self.rng.choice(DECOY_LETTERS) for _ in range(len(next(iter(self.chain)))))
 
     def step(self, action_text: str) -> StepResult:
         turn = action_text.replace("<|im_end|>", "").strip()
@@ -69,11 +91,16 @@ class KeyChainEpisode(Episode):
         if self.tool_latency_s:
             time.sleep(self.tool_latency_s)  # a tool that takes time, as sandboxes and searches do
         key = key.strip()
-        found = self.chain.get(key)
+        found = self.chain.get(key) if not self.decoy_at else None
+        if found is None and self.decoys:
+            self.decoy_at = self.decoy_at or self.lookups
+            found = self._decoy()
         return StepResult(done=False, observation=f"<tool_response>{found or f'error: no key {key}'}</tool_response>")
 
     def reward(self) -> float:
         self.metadata["lookups"] = self.lookups
+        if self.decoys:
+            self.metadata["decoy_at"] = self.decoy_at
         self.metadata["success"] = self.final == self.answer  # reward/success_rate in the learner's metrics
         return 1.0 if self.metadata["success"] else 0.0
 
@@ -84,14 +111,16 @@ class KeyChainEnv(Environment):
 
     def __init__(
         self, key_length: int = 2, max_hops: int = 6, tool_latency_s: float = 0.0, hops: str = "long_tail",
-        show_hops: bool = False, mistakes_by_hops: list[float] | None = None,
+        show_hops: bool = False, mistakes_by_hops: list[float] | None = None, decoys: bool = False,
     ) -> None:  # fmt: skip
         if not 1 <= max_hops <= len(HOP_WEIGHTS):
             raise ValueError(f"max_hops={max_hops} must be in 1..{len(HOP_WEIGHTS)}")
         if tool_latency_s < 0:
             raise ValueError(f"tool_latency_s={tool_latency_s} must be >= 0")
-        if hops not in ("long_tail", "uniform"):
-            raise ValueError(f"rollout.env.options hops={hops!r}: use 'long_tail' or 'uniform'")
+        if hops not in ("long_tail", "uniform", "fixed"):
+            raise ValueError(f"rollout.env.options hops={hops!r}: use 'long_tail', 'uniform' or 'fixed'")
+        if decoys and hops != "fixed":
+            raise ValueError("rollout.env.options decoys: true needs hops: fixed (every episode the same length)")
         if mistakes_by_hops is not None:
             if not show_hops:
                 raise ValueError("rollout.env.options mistakes_by_hops needs show_hops: true (the demonstrator reads "
@@ -100,8 +129,9 @@ class KeyChainEnv(Environment):
                 raise ValueError(f"rollout.env.options mistakes_by_hops={mistakes_by_hops}: one rate in [0, 1] per "
                                  f"chain length 1..{max_hops}")  # fmt: skip
         self.key_length, self.max_hops, self.tool_latency_s = key_length, max_hops, tool_latency_s
-        self.weights = HOP_WEIGHTS[:max_hops] if hops == "long_tail" else (1.0,) * max_hops
-        self.show_hops, self.mistakes_by_hops = show_hops, mistakes_by_hops
+        self.weights = {"long_tail": HOP_WEIGHTS[:max_hops], "uniform": (1.0,) * max_hops,
+                        "fixed": (0.0,) * (max_hops - 1) + (1.0,)}[hops]  # fmt: skip
+        self.show_hops, self.mistakes_by_hops, self.decoys = show_hops, mistakes_by_hops, decoys
 
     def make_prompts(self, n: int, seed: int = 0) -> list[dict[str, Any]]:
         rng = random.Random(seed)
@@ -128,7 +158,8 @@ class KeyChainEnv(Environment):
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
         return KeyChainEpisode(messages=messages, metadata={"env": self.name, "hops": int(prompt["hops"])},
                                chain=dict(prompt["chain"]), answer=int(prompt["answer"]),
-                               tool_latency_s=self.tool_latency_s)  # fmt: skip
+                               tool_latency_s=self.tool_latency_s, hops=int(prompt["hops"]), decoys=self.decoys,
+                               rng=random.Random(str(prompt["id"])) if self.decoys else None)  # fmt: skip
 
 
 def demonstrate(context: str, rng: random.Random, mistake_rate: float) -> str:
