@@ -179,3 +179,16 @@ def sequence_to_token_advantages(advantages: torch.Tensor, action_mask: torch.Te
     if advantages.shape != action_mask.shape[:1]:
         raise ValueError(f"advantages must have shape [B]=[{action_mask.shape[0]}], got {tuple(advantages.shape)}")
     return torch.where(action_mask, advantages.to(torch.float32).unsqueeze(1), 0.0)
+
+
+def turn_to_token_advantages(
+    advantages: torch.Tensor, turn_index: torch.Tensor, action_mask: torch.Tensor
+) -> torch.Tensor:
+    """Give every action token the advantage of its turn (the oracle-value arm). advantages [B, J], turn_index [B, T]
+    (each position's turn, -1 outside turns), action_mask [B, T] -> [B, T]."""
+    if advantages.dim() != 2 or advantages.shape[0] != action_mask.shape[0]:
+        raise ValueError(f"advantages must have shape [B={action_mask.shape[0]}, turns], got {tuple(advantages.shape)}")
+    if bool((action_mask & (turn_index >= advantages.shape[1])).any()):
+        raise ValueError(f"an action token's turn is past the {advantages.shape[1]} turns advantages were given for")
+    per_token = advantages.to(torch.float32).gather(1, turn_index.clamp(min=0))
+    return torch.where(action_mask & (turn_index >= 0), per_token, 0.0)

@@ -157,3 +157,51 @@ class KeyedRunningMeanBaseline:
         for key, sub in state["by_key"].items():
             self.by_key[key] = RunningMeanBaseline(self.window)
             self.by_key[key].load_state_dict(sub)
+
+
+class StateValueTable:
+    """The oracle arm's values: one RunningMeanBaseline per state the environment names for each turn (trajectory
+    metadata `turn_states`, e.g. key_chain with decoys: turns left and whether a decoy was seen). A state's value is the
+    mean of the last `window` returns seen from it, before the trajectory's own; advantages are GAE over turns with
+    those values, gamma 1 and the reward at the end:
+
+        delta_t = V(s_t+1) - V(s_t)  (t < n - 1),  delta_n-1 = R - V(s_n-1),  A_t = sum_k lambda^k delta_t+k
+
+    so lambda 1 gives R - V(s_t) and lambda 0 turn-level TD. What no critic can beat on such a task: the ceiling of
+    experiments/credit.py."""
+
+    def __init__(self, window: int = 64, lambda_turn: float = 1.0) -> None:
+        if not 0.0 <= lambda_turn <= 1.0:
+            raise ValueError(f"lambda_turn={lambda_turn} must be in [0, 1] (algo.oracle_value.lambda_turn)")
+        self.window, self.lambda_turn = window, lambda_turn
+        self.by_state: dict[str, RunningMeanBaseline] = {}
+
+    def turn_advantages(self, rewards: Sequence[float], states: Sequence[Sequence[str]]) -> torch.Tensor:
+        """Per-turn advantages [B, max turns] (0 past a trajectory's last turn), trajectories in stream order; each
+        one's return joins the values of its states after its advantages were computed."""
+        if len(rewards) != len(states):
+            raise ValueError(f"{len(states)} state lists for {len(rewards)} rewards; pass one per trajectory")
+        out = torch.zeros(len(rewards), max((len(s) for s in states), default=1) or 1, dtype=torch.float32)
+        for i, (reward, path) in enumerate(zip(rewards, states, strict=True)):
+            values = [self.by_state.setdefault(s, RunningMeanBaseline(self.window)).baseline for s in path]
+            advantage = 0.0
+            for t in reversed(range(len(path))):
+                after = values[t + 1] if t + 1 < len(path) else float(reward)
+                advantage = after - values[t] + self.lambda_turn * advantage
+                out[i, t] = advantage
+            for s in set(path):
+                self.by_state[s].update(float(reward))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"window": self.window, "by_state": {k: b.state_dict() for k, b in self.by_state.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("window") != self.window:
+            saved = state.get("window")
+            raise ValueError(f"checkpointed state values have window={saved}, this run uses {self.window}; set "
+                             f"algo.oracle_value.window={saved} to resume it")  # fmt: skip
+        self.by_state = {}
+        for key, sub in state["by_state"].items():
+            self.by_state[key] = RunningMeanBaseline(self.window)
+            self.by_state[key].load_state_dict(sub)

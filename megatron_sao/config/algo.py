@@ -129,20 +129,33 @@ class RunningMeanConfig(Section):
     critic_matters.py); None: one stream for every prompt (the paper's)."""
 
 
-ArmName = Literal["sao", "grpo", "grpo_async", "running_mean"]
+class OracleValueConfig(Section):
+    lambda_turn: float = Field(default=1.0, ge=0.0, le=1.0)
+    """GAE's lambda over turns with the oracle's state values: 1 gives every turn R - V(s_t) (the return minus the
+    value of the state it acted in), 0 turn-level TD (V(s_t+1) - V(s_t); the last turn R - V(s_t))."""
+
+    window: int = Field(default=64, ge=1)
+    """Returns averaged per state: the most recent this many seen from it (before the trajectory's own)."""
+
+
+ArmName = Literal["sao", "grpo", "grpo_async", "running_mean", "oracle_value"]
 GROUP_ARMS = ("grpo", "grpo_async")
 
 
 class AlgoConfig(Section):
     name: ArmName = "sao"
     """sao: one rollout per prompt, streamed, critic + DIS; grpo: synchronous group batches; grpo_async: one-step-off
-    group batches; running_mean: one rollout per prompt, streamed, with a running-mean baseline (window 8)."""
+    group batches; running_mean: one rollout per prompt, streamed, with a running-mean baseline (window 8);
+    oracle_value: one rollout per prompt, streamed, advantages from a table of values of the states the environment
+    names per turn (metadata turn_states; key_chain with decoys) -- the ceiling a critic could reach on such a task
+    (experiments/credit.py)."""
 
     dis: DISConfig = Field(default_factory=DISConfig)
     gae: GAEConfig = Field(default_factory=GAEConfig)
     value: ValueConfig = Field(default_factory=ValueConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     running_mean: RunningMeanConfig = Field(default_factory=RunningMeanConfig)
+    oracle_value: OracleValueConfig = Field(default_factory=OracleValueConfig)
 
     @property
     def uses_critic(self) -> bool:

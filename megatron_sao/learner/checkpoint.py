@@ -125,6 +125,8 @@ def _common_state(learner: Learner, extra: dict[str, Any] | None) -> dict[str, A
             common[f"{role.role}_optimizer_steps"] = role.optimizer_steps
     if learner.running_mean is not None:
         common["running_mean"] = learner.running_mean.state_dict()
+    if learner.state_values is not None:
+        common["state_values"] = learner.state_values.state_dict()
     return common
 
 
@@ -471,6 +473,8 @@ def load_checkpoint(learner: Learner, path: str | Path, load_optimizer: bool = T
     learner.value_head_fitted = bool(common.get("value_head_fitted", True))  # older checkpoints: a trained head
     if learner.running_mean is not None and "running_mean" in common:
         learner.running_mean.load_state_dict(common["running_mean"])
+    if learner.state_values is not None and "state_values" in common:
+        learner.state_values.load_state_dict(common["state_values"])
     if same_layout:
         _set_rng_state(loaded["rng"])
     return dict(common.get("extra", {}))

@@ -26,11 +26,13 @@ import torch.distributed as dist
 from megatron_sao.algo import (
     KeyedRunningMeanBaseline,
     RunningMeanBaseline,
+    StateValueTable,
     compute_step_targets,
     gae_span,
     grpo_advantages,
     sequence_to_token_advantages,
     token_rewards,
+    turn_to_token_advantages,
 )
 from megatron_sao.bus.schema import Routes, Trajectory
 from megatron_sao.config.learner import Routing
@@ -177,6 +179,9 @@ class Learner:
             rm = algo.running_mean
             self.running_mean = (KeyedRunningMeanBaseline(rm.window) if rm.group_by else
                                  RunningMeanBaseline(rm.window))  # fmt: skip
+        self.state_values = None  # the oracle_value arm's table of state values
+        if algo.name == "oracle_value":
+            self.state_values = StateValueTable(algo.oracle_value.window, algo.oracle_value.lambda_turn)
         if dist.get_rank() == 0:
             for role in (self.policy, self.value):
                 if role is not None:
@@ -225,7 +230,9 @@ class Learner:
             plan.metrics["time/critic"] = time.monotonic() - t0
         else:
             assert plan.sequence_advantages is not None
-            advantages = sequence_to_token_advantages(plan.sequence_advantages[plan.mine], plan.batch.action_mask)
+            mine, mask = plan.sequence_advantages[plan.mine], plan.batch.action_mask
+            advantages = (turn_to_token_advantages(mine, plan.batch.turn_index, mask) if mine.dim() == 2
+                          else sequence_to_token_advantages(mine, mask))  # fmt: skip
         t1 = time.monotonic()
         if update_policy:
             self._policy_update(plan, advantages)
@@ -500,6 +507,8 @@ class Learner:
             return self.running_mean.advantages(rewards, [str(t.header.metadata.get(key)) for t in trajectories])
         if self.running_mean is not None:
             return self.running_mean.advantages(rewards)
+        if self.state_values is not None:
+            return self.state_values.turn_advantages(rewards.tolist(), [_turn_states(t) for t in trajectories])
         return None
 
     def _groups(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
@@ -546,3 +555,13 @@ class Learner:
             out[f"moe/{name}"] = float(values.sum()) / layers / max(num_microbatches, 1)
         clear_aux_losses_tracker()
         return out
+
+
+def _turn_states(t: Trajectory) -> list[str]:
+    """The states the environment named for a trajectory's turns (metadata turn_states), one per turn."""
+    states = t.header.metadata.get("turn_states")
+    if not isinstance(states, list) or len(states) != len(t.header.turns):
+        raise ValueError(f"algo.name=oracle_value needs each trajectory's metadata turn_states, one state per turn; "
+                         f"trajectory {t.trajectory_id} has {states!r} for {len(t.header.turns)} turns: use an "
+                         "environment that names them (key_chain with hops: fixed and decoys: true)")  # fmt: skip
+    return [str(s) for s in states]

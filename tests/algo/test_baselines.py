@@ -95,3 +95,51 @@ def test_keyed_running_mean_keeps_one_window_per_key() -> None:
     assert again.advantages(torch.tensor([0.0]), ["easy"]).tolist() == [-1.0]
     with pytest.raises(ValueError, match="one key per trajectory"):
         b.advantages(torch.tensor([1.0]), [])
+
+
+def test_the_oracle_state_values_give_return_minus_value_at_lambda_1_and_turn_td_at_lambda_0() -> None:
+    from megatron_sao.algo import StateValueTable
+
+    def table(lam: float) -> StateValueTable:
+        t = StateValueTable(window=4, lambda_turn=lam)
+        # history: from "2c" two returns (1, 0) -> 0.5; "1c" one return 1 -> 1.0; "1d" one return 0 -> 0.0
+        t.turn_advantages([1.0, 0.0], [["2c", "1c"], ["2c", "1d"]])
+        return t
+
+    assert table(1.0).by_state["2c"].baseline == 0.5 and table(1.0).by_state["1d"].baseline == 0.0
+    # a success on the chain (2c -> 1c -> R 1) and a failure that met a decoy (2c -> 1d -> R 0)
+    # in stream order: the success's return joins V(2c) (-> 2/3) before the failure's advantages
+    lam1 = table(1.0).turn_advantages([1.0, 0.0], [["2c", "1c"], ["2c", "1d"]])
+    assert lam1.flatten().tolist() == pytest.approx([1.0 - 0.5, 1.0 - 1.0, 0.0 - 2 / 3, 0.0 - 0.0])  # R - V(s_t)
+    td = table(0.0).turn_advantages([1.0, 0.0], [["2c", "1c"], ["2c", "1d"]])
+    # V(s_t+1) - V(s_t): the failure's first turn is the one blamed, its doomed last turn is not (0)
+    assert td.flatten().tolist() == pytest.approx([1.0 - 0.5, 1.0 - 1.0, 0.0 - 2 / 3, 0.0 - 0.0])
+    half = table(0.5).turn_advantages([0.0], [["2c", "1c"]])  # delta_1 = 0 - 1, delta_0 = 1 - 0.5
+    assert half.tolist() == [[0.5 + 0.5 * -1.0, -1.0]]
+
+
+def test_turn_level_td_differs_from_return_minus_value_where_a_later_turn_is_to_blame() -> None:
+    from megatron_sao.algo import StateValueTable
+
+    t0, t1 = StateValueTable(4, 0.0), StateValueTable(4, 1.0)
+    for t in (t0, t1):
+        t.turn_advantages([1.0, 1.0, 0.0], [["3c", "2c", "1c"], ["3c", "2c", "1c"], ["3c", "2c", "1d"]])
+    # V(3c) = 2/3, V(2c) = 2/3, V(1c) = 1, V(1d) = 0; a failure whose second lookup went wrong
+    td = t0.turn_advantages([0.0], [["3c", "2c", "1d"]])[0].tolist()
+    mc = t1.turn_advantages([0.0], [["3c", "2c", "1d"]])[0].tolist()
+    assert td == pytest.approx([0.0, -2 / 3, 0.0])  # only the turn that led onto the decoy
+    assert mc == pytest.approx([-2 / 3, -2 / 3, 0.0])  # every turn before the decoy alike
+
+
+def test_turn_advantages_reach_each_action_token_of_their_turn() -> None:
+    import torch
+
+    from megatron_sao.algo import turn_to_token_advantages
+
+    adv = torch.tensor([[0.5, -1.0], [2.0, 0.0]])
+    turn_index = torch.tensor([[-1, 0, 0, -1, 1], [-1, -1, 0, 0, -1]])
+    mask = turn_index >= 0
+    out = turn_to_token_advantages(adv, turn_index, mask)
+    assert out.tolist() == [[0.0, 0.5, 0.5, 0.0, -1.0], [0.0, 0.0, 2.0, 2.0, 0.0]]
+    with pytest.raises(ValueError, match="past the 1 turns"):
+        turn_to_token_advantages(adv[:, :1], turn_index, mask)

@@ -122,3 +122,35 @@ def test_value_pretraining_steps_train_the_critic_only(tiny_hf_dir: Any) -> None
     (out,) = spawn_ranks(_critic_only, 1, str(tiny_hf_dir("qwen3_moe")), timeout_s=300)
     assert out["version"] == 0 and out["policy_moved"] == 0.0 and out["value_moved"] > 0
     assert "loss/value_first" in out["metrics"] and "loss/policy" not in out["metrics"]
+
+
+def _oracle_value(hf_dir: str) -> dict[str, Any]:
+    learner = _learner(hf_dir, "oracle_value")
+    batch = on_policy(make_batch(2, seed=8), hf_dir)
+    for t in batch:  # reward 0 from states of value 0: every turn's advantage is 0, nothing moves
+        states = [f"{len(t.header.turns) - j}c" for j in range(len(t.header.turns))]
+        t.header = type(t.header)(**{**_fields(t.header), "reward": 0.0,
+                                     "metadata": {**t.header.metadata, "turn_states": states}})  # fmt: skip
+    before = _params(learner.policy.model)
+    learner.train_step(batch)
+    still = _moved(before, learner.policy.model)
+    for t in batch:
+        t.header = type(t.header)(**{**_fields(t.header), "reward": 1.0})
+    learner.train_step(batch)
+    bare = on_policy(make_batch(1, seed=9), hf_dir)
+    try:
+        learner.train_step(bare)
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    return {"still": still, "moved": _moved(before, learner.policy.model), "has_value": learner.value is not None,
+            "table": learner.state_values.state_dict(), "error": error}  # fmt: skip
+
+
+@pytest.mark.multiproc
+def test_the_oracle_arm_trains_on_its_state_values_turn_by_turn(tiny_hf_dir: Any) -> None:
+    (out,) = spawn_ranks(_oracle_value, 1, str(tiny_hf_dir("qwen3_moe")), timeout_s=300)
+    assert not out["has_value"] and out["still"] == 0.0 and out["moved"] > 0
+    # every trajectory's last turn acts in "1c": two steps of two trajectories, returns 0 then 1
+    assert out["table"]["by_state"]["1c"]["history"] == [0.0, 0.0, 1.0, 1.0]
+    assert "turn_states" in out["error"] and "decoys" in out["error"]

@@ -22,7 +22,8 @@ max_hops lookups, and `decoys: true` answers a wrong key with a decoy chain inst
 keys (capitals) that run on to the end and yield a wrong number. Every episode then has the same length (max_hops
 lookups, one answer) whatever it got wrong, so its outcome cannot correlate with its length or staleness, and the
 one turn that went wrong is what decides it: a baseline of the prompt has nothing to explain, a value of the state
-(turns left, on a decoy or not) everything. The metadata records the lookup that left the chain (`decoy_at`).
+(turns left, on a decoy or not) everything. The metadata records the lookup that left the chain (`decoy_at`) and the
+state each turn acted in (`turn_states`, e.g. "3c": three turns left, on the chain; what algo.name=oracle_value reads).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class KeyChainEpisode(Episode):
     decoys: bool = False
     decoy_at: int = 0  # decoys: the lookup that left the chain (1-based; 0: still on it)
     rng: random.Random | None = None  # decoys: draws the decoy keys and the wrong number
+    turns: int = 0  # actions taken (a lookup or an answer each)
 
     def _decoy(self) -> str:
         """The decoy's answer to this lookup: its next key, or a wrong number once the chain's length is used up."""
@@ -77,6 +79,7 @@ class KeyChainEpisode(Episode):
         return "".join(self.rng.choice(DECOY_LETTERS) for _ in range(len(next(iter(self.chain)))))
 
     def step(self, action_text: str) -> StepResult:
+        self.turns += 1
         turn = action_text.replace("<|im_end|>", "").strip()
         if _ONE_TAG.fullmatch(turn) is None:  # a turn is exactly one lookup or one answer, nothing around it
             return StepResult(done=True)
@@ -99,8 +102,11 @@ class KeyChainEpisode(Episode):
 
     def reward(self) -> float:
         self.metadata["lookups"] = self.lookups
-        if self.decoys:
+        if self.decoys:  # the state each turn acted in: turns left, and whether a decoy was in sight
             self.metadata["decoy_at"] = self.decoy_at
+            self.metadata["turn_states"] = [
+                f"{max(self.hops + 1 - t, 0)}{'d' if 0 < self.decoy_at <= t else 'c'}" for t in range(self.turns)
+            ]
         self.metadata["success"] = self.final == self.answer  # reward/success_rate in the learner's metrics
         return 1.0 if self.metadata["success"] else 0.0
 
