@@ -118,11 +118,15 @@ class RunSpec:
     env_options: dict[str, Any] = field(default_factory=dict)
     timeout_s: float = 3600.0
     engine_args: tuple[str, ...] = ()  # more `python -m megatron_sao engine` flags (e.g. --dtype bfloat16)
+    eval_prompts: int = 0  # > 0: at the budget the learner checkpoints and stops, and that checkpoint is evaluated
+    eval_samples: int = 4  # on eval_prompts held-out prompts: greedy (one sample), sampled (this many, temperature 1)
 
     @property
     def key(self) -> dict[str, Any]:
         key = {"label": self.label, "config": str(self.config.relative_to(REPO)), "overrides": list(self.overrides),
                "seed": self.seed, "token_budget": self.token_budget, "env_options": self.env_options}  # fmt: skip
+        if self.eval_prompts:
+            key["eval"] = [self.eval_prompts, self.eval_samples]
         return {**key, "engine_args": list(self.engine_args)} if self.engine_args else key
 
 
@@ -138,6 +142,7 @@ class Run:
     trajectories: list[dict[str, Any]]  # the learner's ledger: one line per trained trajectory, in training order
     engine: np.ndarray  # [n, 3]: seconds since the run's start, generated tokens, busy seconds
     start: float  # unix time the rollout worker started
+    evals: dict[str, dict[str, float]] = field(default_factory=dict)  # "greedy" / "sampled": the held-out records
 
     def tokens_at(self, times: np.ndarray) -> np.ndarray:
         """Generated tokens at `times` (seconds since the start), interpolated on the engine's counter."""
@@ -165,6 +170,7 @@ def run_arm(spec: RunSpec, run_dir: Path, log: Any = print) -> Run:
         return load_run(spec, run_dir)
     from megatron_sao.distributed.spawn import find_free_port
     from megatron_sao.engines.client import SGLangClient
+    from megatron_sao.files import STOP_FILE
 
     shutil.rmtree(run_dir, ignore_errors=True)
     (run_dir / "logs").mkdir(parents=True)
@@ -226,6 +232,11 @@ def run_arm(spec: RunSpec, run_dir: Path, log: Any = print) -> Run:
         wall = time.time() - t0
         if not budget_hit.is_set() and learner.returncode != 0:
             raise RuntimeError(f"{spec.label}: the learner failed: {_tail(run_dir / 'logs' / 'learner.log')}")
+        if spec.eval_prompts and budget_hit.is_set():  # the learner finishes its step and saves it: evaluated below
+            (run_dir / STOP_FILE).write_text("the token budget\n")
+            if learner.wait(timeout=600) != 0:
+                raise RuntimeError(f"{spec.label}: the learner did not checkpoint at the budget: "
+                                   f"{_tail(run_dir / 'logs' / 'learner.log')}")  # fmt: skip
     finally:
         poll_stop.set()
         for p in reversed(procs):
@@ -239,11 +250,33 @@ def run_arm(spec: RunSpec, run_dir: Path, log: Any = print) -> Run:
                 p.wait()
         for f in logs.values():
             f.close()
-    done.write_text(json.dumps({"spec": spec.key, "wall_s": wall, "start": t0}) + "\n")
+    evals = evaluate_run(spec, run_dir, overrides) if spec.eval_prompts else {}
+    done.write_text(json.dumps({"spec": spec.key, "wall_s": wall, "start": t0, "evals": evals}) + "\n")
     run = load_run(spec, run_dir)
     tokens = int(run.engine[-1, 1])
     log(f"  {spec.label} seed {spec.seed}: {len(run.steps)} policy steps, {tokens} tokens in {wall:.0f} s")
     return run
+
+
+def evaluate_run(spec: RunSpec, run_dir: Path, overrides: list[str]) -> dict[str, dict[str, float]]:
+    """The on-policy measure: the checkpoint the run stopped at, on `spec.eval_prompts` held-out prompts, greedy and
+    sampled (`python -m megatron_sao eval`, on an engine of its own: not charged to the training budget)."""
+    out: dict[str, dict[str, float]] = {}
+    modes = {
+        "greedy": ("--eval.sampling.temperature", "0", "--eval.samples_per_prompt", "1"),
+        "sampled": ("--eval.sampling.temperature", "1", "--eval.samples_per_prompt", str(spec.eval_samples)),
+    }
+    for mode, args in modes.items():
+        cmd = [sys.executable, "-m", "megatron_sao", "eval", str(spec.config), "--checkpoint", str(run_dir),
+               *overrides, "--eval.num_prompts", str(spec.eval_prompts), "--eval.budget", "1.0",
+               "--eval.timeout_s", "3000", *args]  # fmt: skip
+        with open(run_dir / "logs" / f"eval_{mode}.log", "wb") as log:
+            code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=role_env()).returncode
+        if code != 0:
+            raise RuntimeError(f"{spec.label}: the {mode} evaluation failed: "
+                               f"{_tail(run_dir / 'logs' / f'eval_{mode}.log')}")  # fmt: skip
+        out[mode] = _jsonl(run_dir / "eval" / "results.jsonl")[-1]
+    return out
 
 
 def _poll_engine(
@@ -290,7 +323,17 @@ def load_run(spec: RunSpec, run_dir: Path) -> Run:
     trajectories = [t for t in _jsonl(run_dir / "trajectories.jsonl") if "id" in t]
     polled = _jsonl(run_dir / "engine.jsonl")
     engine = np.array([[p["t"], p["tokens"], p["busy_s"]] for p in polled] or [[0.0, 0.0, 0.0]], dtype=float)
-    return Run(spec, run_dir, float(meta["wall_s"]), steps, records, trajectories, engine, float(meta["start"]))
+    return Run(
+        spec,
+        run_dir,
+        float(meta["wall_s"]),
+        steps,
+        records,
+        trajectories,
+        engine,
+        float(meta["start"]),
+        meta.get("evals", {}),
+    )
 
 
 # ---------------------------------------------------------------------------------------------- summaries

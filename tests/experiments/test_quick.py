@@ -120,3 +120,19 @@ def test_routing_replay_quick(tmp_path: Path) -> None:
     runs = [r for arm in arms.values() for r in arm]
     assert len(runs) == 9 and all(r["policy_steps"] == 6 and r["routing/mismatch_frac"] is not None for r in runs)
     assert all(r["value/explained_variance"] is not None for r in runs)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_credit_quick(tmp_path: Path) -> None:
+    out, results, figures = _quick("credit.py", tmp_path)
+    _png(figures / "credit_quick.png")
+    data = json.loads((figures / "credit_quick.json").read_text())
+    assert list(data["arms"]) == ["running_mean", "oracle_td", "sao"]
+    for seeds in data["arms"].values():
+        (seed,) = seeds
+        assert 0.0 <= seed["held_out"] <= 1.0 and 0.0 <= seed["held_out_greedy"] <= 1.0  # the checkpoint evaluated
+        assert seed["stale_max"] <= 4  # rollout admission: within bus.max_staleness
+    assert [c["name"] for c in data["criteria"]] == ["GATE", "H1"]  # grpo not in the quick arms: no H2
+    section = _section(results, "credit_quick")
+    assert "**GATE**" in section and section.count("\n| `") == 3
