@@ -83,8 +83,8 @@ def _rank(hf_dir: str, lr: float, steps: int, trajectories: int) -> dict[str, An
         "--learner.max_tokens_per_microbatch", "256", "--learner.policy.lr", str(lr),
         "--learner.policy.warmup_steps", "0", "--learner.value.lr", str(5 * lr),
     ])  # fmt: skip
-    init_distributed(cfg.parallel, seed=0)
-    learner = Learner(cfg)
+    ctx = init_distributed(cfg.parallel, seed=0)
+    learner = Learner(cfg, layout=ctx)
     learner.load_hf(hf_dir)
     reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     vocab = int(reference.config.vocab_size)

@@ -132,7 +132,7 @@ def main() -> None:
     )  # fmt: skip
     ctx = init_distributed(cfg.parallel)
     spec = ModelSpec(family=get_family("qwen3_moe"), hf=hf, dtype=dtype, max_seq_len=cfg.model.max_seq_len)
-    learner = Learner(cfg, spec)
+    learner = Learner(cfg, spec, layout=ctx)
     rng = np.random.default_rng(0)
     turn = (args.seq - 64 - 64) // 2
     trajectories = [
@@ -145,7 +145,8 @@ def main() -> None:
 
     def plain() -> None:
         def loss_fn(mb, output):
-            logp = token_logprobs(output.reshape(mb.seq_len, -1), mb.targets(), 1.0, hf["vocab_size"])
+            logp = token_logprobs(output.reshape(mb.seq_len, -1), mb.targets(), 1.0, hf["vocab_size"],
+                                  tp_rank=ctx.tp_rank)
             mask = mb.pack(batch.action_mask).to(logp.device)
             return -(logp * mask).sum(), mask.sum().to(torch.int), {}
 

@@ -67,8 +67,8 @@ def _one_core_steps(args: argparse.Namespace, hf_dir: str) -> dict[str, list[flo
 
     _pin(0)
     cfg, trajectories = _setup(args, hf_dir, [])
-    init_distributed(cfg.parallel)
-    learner = Learner(cfg)
+    ctx = init_distributed(cfg.parallel)
+    learner = Learner(cfg, layout=ctx)
     learner.load_hf(hf_dir)
     rng = np.random.default_rng(1)
     advantages = {t.trajectory_id: rng.standard_normal(t.header.num_tokens - 1).astype(np.float32)
@@ -90,22 +90,23 @@ def _separate_job(args: argparse.Namespace, hf_dir: str, role: str, address: str
     """The policy job (core 0) or the value job (core 1) of a critic on its own ranks."""
     from megatron_sao.distributed import init_distributed
     from megatron_sao.learner.learner import Learner
-    from megatron_sao.run.critic import RemoteCritic, ValueJob
+    from megatron_sao.learner.value_job import RemoteCritic
+    from megatron_sao.run.critic import start_value_job, stop_value_job
     from megatron_sao.run.learn import Steps
 
     _pin(0 if role == "policy" else 1)
     cfg, trajectories = _setup(args, hf_dir, ["--learner.value_on_separate_ranks", "true"])
     if role == "value":
-        job = ValueJob.start(cfg, address)
+        job = start_value_job(cfg, address)
         try:
             job.serve()
         finally:
-            job.close()
+            stop_value_job(job)
         return {}
-    init_distributed(cfg.parallel)
-    learner = Learner(cfg, roles={"policy"})
+    ctx = init_distributed(cfg.parallel)
+    learner = Learner(cfg, roles={"policy"}, layout=ctx)
     learner.load_hf(hf_dir)
-    critic = RemoteCritic(cfg, address)
+    critic = RemoteCritic(cfg, address, ctx)
     critic.begin(None)
     steps = Steps(learner, critic)
     out: dict[str, list[float]] = {}
@@ -201,8 +202,8 @@ def main() -> None:
          "--learner.max_tokens_per_microbatch", str(args.microbatch_tokens),
          "--algo.value.updates_per_policy_step", str(args.k)],
     )  # fmt: skip
-    init_distributed(cfg.parallel)
-    learner = Learner(cfg)
+    ctx = init_distributed(cfg.parallel)
+    learner = Learner(cfg, layout=ctx)
     learner.load_hf(str(hf_dir))
     rng = np.random.default_rng(0)
     trajectories = [
@@ -216,7 +217,7 @@ def main() -> None:
 
     def plain_forward_backward() -> None:
         def loss_fn(mb, output):
-            logp = token_logprobs(output.reshape(mb.seq_len, -1), mb.targets(), 1.0, vocab)
+            logp = token_logprobs(output.reshape(mb.seq_len, -1), mb.targets(), 1.0, vocab, tp_rank=ctx.tp_rank)
             mask = mb.pack(batch.action_mask)
             return -(logp * mask).sum(), mask.sum().to(torch.int), {}
 

@@ -85,16 +85,16 @@ def _rank(hf_dir: str, pp: int, url: str, ports: dict[str, int], args: dict[str,
         "--launch.nproc_per_node", str(pp), "--weight_sync.bucket_mb", str(args["bucket_mb"]),
         "--weight_sync.master_port", str(ports["sync"]), "--weight_sync.verify", "none",
     ])  # fmt: skip
-    init_distributed(cfg.parallel, seed=0)
-    learner = Learner(cfg, roles={"policy"})
+    ctx = init_distributed(cfg.parallel, seed=0)
+    learner = Learner(cfg, roles={"policy"}, layout=ctx)
     learner.load_hf(hf_dir)
     dtype_of = hf_dtype_of(learner.hf_source, torch.float32)
-    packed = WeightSync(learner.policy.model, learner.spec, dtype_of, cfg.weight_sync, [url])
+    packed = WeightSync(learner.policy.model, learner.spec, dtype_of, cfg.weight_sync, [url], layout=ctx)
     cfg_tensor = cfg.weight_sync.model_copy(update={"load_format": "per_tensor", "master_port": ports["sync"] + 200,
                                                     "group_name": "per_tensor"})  # fmt: skip
     per_tensor = None
     if args["per_tensor"]:  # collective: every rank builds it or none does
-        per_tensor = WeightSync(learner.policy.model, learner.spec, dtype_of, cfg_tensor, [url])
+        per_tensor = WeightSync(learner.policy.model, learner.spec, dtype_of, cfg_tensor, [url], layout=ctx)
     stage_bytes = sum(b.send_bytes for b in packed.stage.buckets)
     raw_buf = torch.empty(stage_bytes, dtype=torch.uint8) if packed.is_source else None
     # the fair floor's one memory copy of the stage (what the engine's commit must do at least once)
@@ -277,8 +277,8 @@ def _tp2_rank(hf_dir: str, urls: dict[str, str], port: int, args: dict[str, Any]
         "--weight_sync.bucket_mb", str(args["bucket_mb"]), "--weight_sync.verify", "none",
         "--weight_sync.pause_mode", "none",
     ])  # fmt: skip
-    init_distributed(cfg.parallel, seed=0)
-    learner = Learner(cfg, roles={"policy"})
+    ctx = init_distributed(cfg.parallel, seed=0)
+    learner = Learner(cfg, roles={"policy"}, layout=ctx)
     learner.load_hf(hf_dir)
     dtype_of = hf_dtype_of(learner.hf_source, torch.float32)
     syncs = {}
@@ -286,7 +286,7 @@ def _tp2_rank(hf_dir: str, urls: dict[str, str], port: int, args: dict[str, Any]
     for i, (key, (transfer, pause)) in enumerate(modes.items()):
         ws = cfg.weight_sync.model_copy(update={"transfer": transfer, "master_port": port + 50 * i,
                                                 "group_name": f"bench_{key}", "pause_mode": pause})  # fmt: skip
-        syncs[key] = WeightSync(learner.policy.model, learner.spec, dtype_of, ws, [urls[key]])
+        syncs[key] = WeightSync(learner.policy.model, learner.spec, dtype_of, ws, [urls[key]], layout=ctx)
     stop = threading.Event()
     streams = [_decoding(u, stop) for u in urls.values()]
     time.sleep(2.0)

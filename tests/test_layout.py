@@ -142,7 +142,7 @@ def test_the_stages_take_the_layout_instead_of_reading_megatron_globals() -> Non
 
 
 RUN_DIR_NAMES = re.compile(
-    r"(^|/)(metrics\.jsonl|trajectories\.jsonl|stale\.jsonl|STOP|rollout_metrics_.*|checkpoints)$"
+    r"(\S*/)?(metrics\.jsonl|trajectories\.jsonl|stale\.jsonl|STOP|rollout_metrics_\S*|checkpoints)"
 )
 
 
@@ -178,3 +178,94 @@ def test_the_run_directory_check_sees_a_spelled_name(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text('"""Writes metrics.jsonl."""\nPATH = "metrics.jsonl"\nOTHER = f"rollout_metrics_{1}.jsonl"\n')
     assert [s.split(" ", 1)[1] for s in _spelled_names(bad)] == ["'metrics.jsonl'", "'rollout_metrics_'"]
+
+
+# ------------------------------------------------------------------ one layout object, one roles object (issue 50)
+
+RANK_CALLS = ("current_context", "get_rank", "get_world_size")
+"""Calls that re-read the layout from globals: outside distributed/ the layout is the DistContext a caller was handed
+(or distributed.collectives' named questions: world_position, rank_in, size_of)."""
+
+
+def _calls(source: str, names: tuple[str, ...]) -> list[int]:
+    """Lines of calls to `names` (as `f(...)` or `x.f(...)`); comments and docstrings do not count."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+            if name in names:
+                found.append(node.lineno)
+    return found
+
+
+def _attribute_reads(source: str, attr: str) -> list[int]:
+    return [n.lineno for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Attribute) and n.attr == attr]
+
+
+def _outside(package: str) -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).parts[0] != package)
+
+
+def test_ranks_and_sizes_are_passed_not_read_from_globals() -> None:
+    """No current_context() and no dist.get_rank() / get_world_size() outside distributed/."""
+    found = [
+        f"{p.relative_to(PACKAGE.parent)}:{line}"
+        for p in _outside("distributed")
+        for line in _calls(p.read_text(), RANK_CALLS)
+    ]
+    assert not found, "take the DistContext (or distributed.collectives) instead of reading ranks: " + ", ".join(found)
+
+
+def test_one_module_decides_which_jobs_run() -> None:
+    """`.value_on_separate_ranks` is read in the config field's own module and config/roles.py only; everything else
+    asks cfg.jobs (config.roles.Jobs)."""
+    readers = sorted(
+        str(p.relative_to(PACKAGE.parent))
+        for p in PACKAGE.rglob("*.py")
+        if _attribute_reads(p.read_text(), "value_on_separate_ranks")
+    )
+    assert readers == ["megatron_sao/config/learner.py", "megatron_sao/config/roles.py"], (
+        f"ask cfg.jobs (config/roles.py) instead of reading learner.value_on_separate_ranks: {readers}"
+    )
+
+
+def test_the_parallel_config_maps_to_megatron_in_one_place() -> None:
+    """megatron's size names are spelled only by ParallelConfig.megatron_sizes (config/parallel.py)."""
+    spelled = []
+    for p in PACKAGE.rglob("*.py"):
+        if p.relative_to(PACKAGE).as_posix() == "config/parallel.py":
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            keys = [node.arg] if isinstance(node, ast.keyword) else []
+            keys += [node.value] if isinstance(node, ast.Constant) and isinstance(node.value, str) else []
+            if any(k in ("tensor_model_parallel_size", "pipeline_model_parallel_size") for k in keys):
+                spelled.append(f"{p.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert not spelled, f"use ParallelConfig.megatron_sizes(): {spelled}"
+
+
+def test_the_planner_and_the_runtime_share_one_layout_record() -> None:
+    from megatron_sao.config.parallel import ParallelConfig, ParallelSizes
+    from megatron_sao.distributed.bootstrap import DistContext
+    from megatron_sao.plan.memory import Layout
+
+    assert issubclass(DistContext, ParallelSizes) and issubclass(Layout, ParallelSizes)
+    parallel = ParallelConfig(tensor=2, pipeline=2, expert=2)
+    planned = Layout.of(parallel, 8, num_layers=4)
+    assert parallel.sizes(8) == ParallelSizes(**{k: getattr(planned, k) for k in ParallelSizes.__dataclass_fields__})
+    assert (planned.dp, planned.edp, planned.stage_layers) == (2, 1, (2, 2))
+
+
+def test_the_layout_checks_see_a_violation() -> None:
+    """The checks above read calls and attribute reads, not comments or docstrings."""
+    source = (
+        '"""current_context() and dist.get_rank() in a docstring."""\n'
+        "# dist.get_world_size() in a comment\n"
+        "rank = dist.get_rank()\n"
+        "ctx = current_context()\n"
+        "inner = dist.get_world_size(group)\n"
+        "if cfg.learner.value_on_separate_ranks:\n"
+        "    pass\n"
+    )
+    assert _calls(source, RANK_CALLS) == [3, 4, 5]
+    assert _attribute_reads(source, "value_on_separate_ranks") == [6]

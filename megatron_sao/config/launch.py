@@ -115,11 +115,6 @@ class LaunchConfig(Section):
         return self.nnodes * self.nproc_per_node
 
     @property
-    def value_world_size(self) -> int:
-        """Ranks of the value job (learner.value_on_separate_ranks)."""
-        return max(self.value_nnodes, 1) * self.value_nproc_per_node
-
-    @property
     def total_nodes(self) -> int:
         """Nodes a slurm run needs: learner, value job, engine and worker nodes."""
         return self.nnodes + self.value_nnodes + self.rollout_nodes + self.worker_nodes

@@ -119,8 +119,8 @@ class LearnerConfig(Section):
     """Run the critic on its own ranks: a value job (`python -m megatron_sao critic`, its own torch.distributed
     world with the `value_parallel` layout, started by `run` on launch.value_nproc_per_node x launch.value_nnodes
     ranks) beside the policy job. A step's K critic updates then run while the policy updates and pushes, so it
-    costs about max(policy, critic) instead of their sum (run/critic.py). Default: both models on every learner
-    rank, the critic updates first (sao only)."""
+    costs about max(policy, critic) instead of their sum (learner/value_job.py). Default: both models on every
+    learner rank, the critic updates first (sao only). Code asks cfg.jobs (config/roles.py), not this field."""
 
     value_parallel: ParallelConfig | None = None
     """The value job's own TP / PP / EP layout (DP from its rank count); None: the same as `parallel`. Only with

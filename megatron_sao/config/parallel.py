@@ -1,10 +1,41 @@
-"""`parallel` section: megatron-core model-parallel sizes of the learner. DP is derived from the world size."""
+"""`parallel` section: megatron-core model-parallel sizes of the learner. DP is derived from the world size.
+
+Also the layout record both the planner and the runtime hold: `ParallelSizes` (every size of a layout on a number of
+ranks), made by `ParallelConfig.sizes`; distributed.DistContext extends it with this rank's place, plan/memory.py's
+Layout with the layers of each pipeline stage."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from pydantic import Field
 
 from megatron_sao.config.base import Section
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    """A learner layout on `world_size` ranks under megatron's sizes (DP derived). The one record of them: the
+    runtime's distributed.DistContext and the planner's plan.memory.Layout are both one."""
+
+    world_size: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    etp: int
+    dp: int
+    vpp: int | None  # virtual pipeline stages per PP rank; None: no interleaving
+    sequence_parallel: bool
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: the ranks that share one routed expert's shard."""
+        return self.world_size // (self.ep * self.etp * self.pp)
+
+    def model_parallel_sizes(self) -> dict[str, int]:
+        """The model-parallel sizes a checkpoint records (tp, pp, ep, etp, cp)."""
+        return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "etp": self.etp, "cp": self.cp}
 
 
 class ParallelConfig(Section):
@@ -60,6 +91,20 @@ class ParallelConfig(Section):
             "expert_model_parallel_size": self.expert,
             "expert_tensor_parallel_size": self.resolved_expert_tensor,
         }
+
+    def sizes(self, world_size: int) -> ParallelSizes:
+        """This layout on `world_size` ranks; raises ValueError naming the fix when the sizes do not fit."""
+        return ParallelSizes(
+            world_size=world_size,
+            tp=self.tensor,
+            pp=self.pipeline,
+            cp=self.context,
+            ep=self.expert,
+            etp=self.resolved_expert_tensor,
+            dp=self.data_parallel_size(world_size),
+            vpp=self.virtual_pipeline,
+            sequence_parallel=self.use_sequence_parallel,
+        )
 
     def data_parallel_size(self, world_size: int) -> int:
         """DP for `world_size` ranks; raises ValueError naming the fix when the sizes do not fit."""

@@ -14,6 +14,7 @@ from megatron_sao.config.launch import LaunchConfig
 from megatron_sao.config.learner import LearnerConfig
 from megatron_sao.config.model import ModelConfig
 from megatron_sao.config.parallel import ParallelConfig
+from megatron_sao.config.roles import Jobs
 from megatron_sao.config.rollout import RolloutConfig
 from megatron_sao.config.weight_sync import WeightSyncConfig
 
@@ -30,6 +31,12 @@ class SAOConfig(Section):
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
+
+    @property
+    def jobs(self) -> Jobs:
+        """Which jobs the run starts and what each holds (config/roles.py): the one answer to whether the critic has
+        ranks of its own. Derived on each call, so a config changed in place answers for its current values."""
+        return Jobs.of(self.parallel, self.algo, self.learner, self.rollout, self.launch)
 
     @property
     def engine_model_path(self) -> str | None:
@@ -66,15 +73,15 @@ class SAOConfig(Section):
         if self.launch.gpus_per_node is None:
             needs_gpus = self.rollout.engine == "sglang" or self.weight_sync.backend == "nccl"
             self.launch.gpus_per_node = 8 if needs_gpus else 0
-        if self.learner.value_on_separate_ranks:
+        value_job = self.jobs.value
+        if value_job is not None:
             if not self.algo.uses_critic:
                 raise ValueError(f"learner.value_on_separate_ranks=true but algo.name={self.algo.name} has no critic; "
                                  "set learner.value_on_separate_ranks=false (or algo.name=sao)")  # fmt: skip
-            value_layout = self.learner.value_parallel or self.parallel
             try:
-                value_layout.check_world_size(self.launch.value_world_size)
+                value_job.parallel.check_world_size(value_job.world_size)
             except ValueError as e:
-                raise ValueError(f"the value job ({self.launch.value_world_size} ranks: launch.value_nproc_per_node x "
+                raise ValueError(f"the value job ({value_job.world_size} ranks: launch.value_nproc_per_node x "
                                  f"max(launch.value_nnodes, 1)) with its layout (learner.value_parallel, else "
                                  f"parallel): {e}") from None  # fmt: skip
         hf = self.model.hf_config_dict()
@@ -102,7 +109,7 @@ class SAOConfig(Section):
             if not self.algo.uses_critic:
                 raise ValueError(f"learner.critic_routing_replay=true but algo.name={self.algo.name} has no critic; "
                                  "set learner.critic_routing_replay=false")  # fmt: skip
-            if self.learner.value_on_separate_ranks:
+            if value_job is not None:
                 raise ValueError("learner.critic_routing_replay=true with learner.value_on_separate_ranks=true: the "
                                  "value job receives no routes; set one of them false")  # fmt: skip
         layouts = [self.parallel] + ([self.learner.value_parallel] if self.learner.value_parallel else [])

@@ -47,9 +47,9 @@ def one_process_megatron() -> Iterator[None]:
     torn down afterwards only if created here). Both converters run on one process."""
     import torch.distributed as dist
 
-    from megatron_sao.distributed import destroy_distributed, init_distributed, initialized_context
+    from megatron_sao.distributed import destroy_distributed, init_distributed, initialized_context, world_position
 
-    if dist.is_initialized() and dist.get_world_size() != 1:
+    if world_position()[1] != 1:
         raise ValueError("checkpoint conversion runs on one process; call it outside multi-rank jobs")
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) != 1:
         raise ValueError("checkpoint conversion runs on one process; run it with plain python, not torchrun / srun")

@@ -41,11 +41,9 @@ def hf_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens).logits.float()
 
 
-def megatron_logits(
-    model: Any, tokens: torch.Tensor, vocab_size: int, last_stage: bool | None = None
-) -> torch.Tensor | None:
+def megatron_logits(model: Any, tokens: torch.Tensor, vocab_size: int, last_stage: bool) -> torch.Tensor | None:
     """Run `tokens` [batch, seq] through this rank's pipeline stage of `model` (forward only); the last stage
-    (`last_stage`; default: the process's layout says) returns the full logits [batch, seq, vocab_size] (gathered
+    (`last_stage`: DistContext.is_last_stage()) returns the full logits [batch, seq, vocab_size] (gathered
     over TP, padding columns cut), others None."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
@@ -75,10 +73,6 @@ def megatron_logits(
             forward_only=True,
             collect_non_loss_data=True,
         )
-    if last_stage is None:
-        from megatron_sao.distributed import current_context
-
-        last_stage = current_context().is_last_stage()
     return out[0] if last_stage else None
 
 

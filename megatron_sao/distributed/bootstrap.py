@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any
 
@@ -21,28 +21,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_sao.config.parallel import ParallelConfig
+from megatron_sao.config.parallel import ParallelConfig, ParallelSizes
 from megatron_sao.distributed.update_group import NCCL_ERROR_HANDLING
 from megatron_sao.platform import activate
 
 
 @dataclass(frozen=True)
-class DistContext:
-    """Where this process sits. Sizes are megatron's; `dp` is derived from the world size."""
+class DistContext(ParallelSizes):
+    """Where this process sits: the layout's sizes (config.parallel.ParallelSizes, the record the planner holds too)
+    and this rank's place in it. Every rank, size and group the stages ask for comes from here."""
 
     rank: int
-    world_size: int
     local_rank: int
     device: torch.device
     backend: str
-    tp: int
-    pp: int
-    cp: int
-    ep: int
-    etp: int
-    dp: int
-    vpp: int | None
-    sequence_parallel: bool
     tp_rank: int = 0
     pp_rank: int = 0
     cp_rank: int = 0
@@ -59,24 +51,19 @@ class DistContext:
         """The ranks whose loss-function metrics count once: last pipeline stage, TP rank 0, CP rank 0."""
         return self.is_last_stage() and self.tp_rank == 0 and self.cp_rank == 0
 
-    def sizes(self) -> dict[str, int]:
-        """The model-parallel sizes a checkpoint records (tp, pp, ep, etp, cp)."""
-        return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "etp": self.etp, "cp": self.cp}
+    @property
+    def is_rank0(self) -> bool:
+        """Rank 0 of the job's world: the one that logs, writes files and talks to the other jobs."""
+        return self.rank == 0
 
 
 _CURRENT: DistContext | None = None
 
 
 def initialized_context() -> DistContext | None:
-    """The layout init_distributed set up in this process, None before (or after destroy_distributed)."""
-    return _CURRENT
-
-
-def current_context() -> DistContext:
-    """The layout init_distributed set up in this process. For code whose caller holds no context (a test or a tool
-    building a Learner by hand); the run loops pass theirs."""
-    if _CURRENT is None:
-        raise RuntimeError("no distributed layout: call megatron_sao.distributed.init_distributed(parallel) first")
+    """The layout init_distributed set up in this process, None before (or after destroy_distributed): for a tool
+    that must know whether one exists (checkpoint conversion). Everything else is handed the DistContext
+    init_distributed returned."""
     return _CURRENT
 
 
@@ -139,21 +126,21 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234, timeout_s: floa
             **parallel.megatron_sizes(), distributed_timeout_minutes=max(1, int(timeout_s // 60))
         )
     seed_everything(seed, ps.get_pipeline_model_parallel_rank())
+    sizes = parallel.sizes(world_size)
+    megatron = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                ps.get_context_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
+                ps.get_expert_tensor_parallel_world_size(), ps.get_data_parallel_world_size())  # fmt: skip
+    if megatron != (sizes.tp, sizes.pp, sizes.cp, sizes.ep, sizes.etp, sizes.dp):
+        raise RuntimeError(f"megatron's parallel state already holds another layout (TP, PP, CP, EP, ETP, DP = "
+                           f"{megatron}) than this ParallelConfig's {sizes}: call "
+                           "destroy_distributed(keep_process_group=True) before switching layouts")  # fmt: skip
     global _CURRENT
     _CURRENT = DistContext(
+        **{f.name: getattr(sizes, f.name) for f in fields(ParallelSizes)},
         rank=rank,
-        world_size=world_size,
         local_rank=local_rank,
         device=platform.device,
         backend=platform.dist_backend,
-        tp=ps.get_tensor_model_parallel_world_size(),
-        pp=ps.get_pipeline_model_parallel_world_size(),
-        cp=ps.get_context_parallel_world_size(),
-        ep=ps.get_expert_model_parallel_world_size(),
-        etp=ps.get_expert_tensor_parallel_world_size(),
-        dp=ps.get_data_parallel_world_size(),
-        vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
-        sequence_parallel=parallel.use_sequence_parallel,
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         cp_rank=ps.get_context_parallel_rank(),
@@ -178,12 +165,3 @@ def destroy_distributed(keep_process_group: bool = False) -> None:
     if dist.is_initialized() and not keep_process_group:
         dist.barrier()
         dist.destroy_process_group()
-
-
-def share(obj: Any) -> Any:
-    """Collective: rank 0's `obj` on every rank of the default group (itself on a world of one)."""
-    if dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

@@ -7,7 +7,7 @@ returns only once the other end posted its receive, so `post` sends without wait
 while the caller works on; the next send, or close, waits for it first). Gloo whatever the
 jobs' own backend: what crosses it (trajectories, advantages, metrics, commands) lives in host memory, and a gloo
 socket fails at once when the other process dies instead of hanging a GPU stream. Shared by the policy job and the
-value job of a critic on its own ranks (run/critic.py), the two stages it sits below.
+value job of a critic on its own ranks (learner/value_job.py), the two stages it sits below.
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ def plan(cfg: SAOConfig, nodes: list[Node]) -> NodeMap:
                            "starts the engines on launch.rollout_nodes; leave rollout.engine_urls empty")  # fmt: skip
     learner = tuple(nodes[: la.nnodes])
     first_engine = la.nnodes + la.value_nnodes
-    separate = cfg.learner.value_on_separate_ranks
+    separate = cfg.jobs.value is not None
     value = (tuple(nodes[la.nnodes : first_engine]) or learner[:1]) if separate else ()
     if la.value_nnodes and not separate:
         raise NodeMapError(f"launch.value_nnodes={la.value_nnodes} but learner.value_on_separate_ranks=false: there is "

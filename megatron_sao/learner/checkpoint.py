@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_sao.distributed.collectives import all_gather_object, share, world_position
 from megatron_sao.files import CHECKPOINTS_DIR
 from megatron_sao.learner.integrity import describe_save_error, partial_dir, verify_checksums, write_checksums
 from megatron_sao.models.checkpoint import (
@@ -52,9 +53,9 @@ def checkpoint_dir(cfg: SAOConfig) -> Path:
 
 
 def own_checkpoint_dir(cfg: SAOConfig) -> Path:
-    """Where this learner's `latest` lives: checkpoint_dir, or its `policy` subdirectory for a policy job beside a
-    value job (learner.value_on_separate_ranks; the value job's is `value`)."""
-    return checkpoint_dir(cfg) / "policy" if cfg.learner.value_on_separate_ranks else checkpoint_dir(cfg)
+    """Where the learner job's `latest` lives: checkpoint_dir, or its `policy` subdirectory beside a value job
+    (config.roles.Jobs: the value job's is `value`)."""
+    return checkpoint_dir(cfg) / cfg.jobs.learner.checkpoint_subdir
 
 
 class CheckpointError(ValueError):
@@ -63,7 +64,7 @@ class CheckpointError(ValueError):
 
 def _layout(learner: Learner) -> dict[str, int]:
     """The layout a checkpoint records (world and model-parallel sizes): RNG states only load into the same one."""
-    return {"world": learner.layout.world_size, **learner.layout.sizes()}
+    return {"world": learner.layout.world_size, **learner.layout.model_parallel_sizes()}
 
 
 def _rng_state() -> dict[str, Any]:
@@ -103,7 +104,7 @@ def _sharded_state(learner: Learner, is_loading: bool) -> dict[str, Any]:
         state[f"{role.role}_optimizer"] = role.optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading, metadata=OPTIMIZER_FORMAT
         )
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = learner.layout.rank, learner.layout.world_size
     state["rng"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
     return state
 
@@ -131,11 +132,10 @@ def _common_state(learner: Learner, extra: dict[str, Any] | None) -> dict[str, A
 
 
 def role_dir(learner: Learner, save_dir: str | Path) -> Path:
-    """Where this learner's checkpoints live: `save_dir`, or `save_dir/<role>` for a policy job or a value job
-    (learner.value_on_separate_ranks): the two jobs save the same versions and must not share directories."""
-    if not learner.cfg.learner.value_on_separate_ranks:
-        return Path(save_dir)
-    return Path(save_dir) / ("policy" if learner.policy is not None else "value")
+    """Where this learner's checkpoints live: `save_dir`, or its job's subdirectory (config.roles.LearnerJob:
+    `policy` / `value` for the learner job and the value job of a critic on its own ranks, which save the same
+    versions and must not share directories)."""
+    return Path(save_dir) / learner.job.checkpoint_subdir
 
 
 def _raise_on_every_rank(error: str | None) -> None:
@@ -157,7 +157,7 @@ def save_checkpoint(
     path = save_dir / (tag or f"iter_{learner.version:07d}")
     partial = partial_dir(path)
     error = None
-    if dist.get_rank() == 0:
+    if learner.layout.is_rank0:
         try:
             save_dir.mkdir(parents=True, exist_ok=True)
             if path.exists() and any(path.iterdir()) and _abandoned(learner, path):
@@ -186,7 +186,7 @@ def save_checkpoint(
     except Exception as e:  # OSError, or torch's writer naming no errno (`unexpected pos ...`) on a full disk
         logger.debug("saving %s failed", path, exc_info=True)
         failure = describe_save_error(e, path)
-    failures = [f for f in _all_gather(failure) if f]
+    failures = [f for f in all_gather_object(failure) if f]
     if not failures:
         dist.barrier()
         try:
@@ -194,7 +194,7 @@ def save_checkpoint(
         except OSError as e:
             failures = [describe_save_error(e, path)]
     error = None
-    if dist.get_rank() == 0:
+    if learner.layout.is_rank0:
         try:
             if failures:
                 error = str(failures[0])
@@ -234,12 +234,6 @@ def _abandoned(learner: Learner, path: Path) -> bool:
         return False
     order = {p.name: i for i, p in enumerate(reversed(_checkpoints_in(path.parent)))}  # oldest first
     return path.name in order and loaded.name in order and order[path.name] > order[loaded.name]
-
-
-def _all_gather(value: str | None) -> list[str | None]:
-    out: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 def _checkpoints_in(save_dir: Path) -> list[Path]:
@@ -297,7 +291,7 @@ def _set_aside(save_dir: Path, damaged: list[Path], loaded: Path) -> None:
     """Collective (rank 0 works): damaged checkpoints renamed `<name>.damaged`, `latest` set to the one loaded. A
     read-only save_dir (another run's) is left as it is, with a warning."""
     error = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if world_position()[0] == 0:
         try:
             for bad in damaged:
                 target = _aside_name(bad, "damaged")
@@ -308,10 +302,7 @@ def _set_aside(save_dir: Path, damaged: list[Path], loaded: Path) -> None:
             tmp.replace(save_dir / LATEST)
         except OSError as e:
             error = f"could not move the damaged checkpoints in {save_dir} aside ({e}); saving there will refuse them"
-    if dist.is_initialized():
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
+    error = share(error)
     if error:
         logger.warning("%s", error)
 
@@ -437,7 +428,7 @@ def load_checkpoint(learner: Learner, path: str | Path, load_optimizer: bool = T
     returns the `extra` dict. RNG states are restored only at the layout they were saved at."""
     from megatron.core import dist_checkpointing
 
-    if learner.cfg.learner.value_on_separate_ranks and (role_dir(learner, path) / LATEST).is_file():
+    if (role_dir(learner, path) / LATEST).is_file():
         path = role_dir(learner, path)  # the job's own directory under a shared save_dir
     path = intact_checkpoint(path)
     learner.loaded_from = path

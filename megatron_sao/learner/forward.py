@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-from megatron_sao.distributed.bootstrap import current_context
 from megatron_sao.learner.packing import MicroBatch
 from megatron_sao.learner.routing import RoutingReplay, mark_backward
 
@@ -18,8 +17,8 @@ LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, torch.Tensor, 
 step's total token count (calculate_per_token_loss)."""
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_size: int,
-                   tp_rank: int | None = None) -> torch.Tensor:  # fmt: skip
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_size: int, *,
+                   tp_rank: int) -> torch.Tensor:  # fmt: skip
     """log softmax(logits / temperature)[target] per position, from vocab-parallel logits.
 
     Args:
@@ -27,8 +26,8 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
         targets: int64 with the leading shape of logits: the token each position predicts.
         temperature: the engines' sampling temperature (rollout.sampling.temperature).
         vocab_size: the real vocabulary; padded rows past it are excluded from the softmax.
-        tp_rank: this rank's tensor-parallel rank, which says which vocabulary slice it holds (default: the
-            process's layout, distributed.current_context()).
+        tp_rank: this rank's tensor-parallel rank (DistContext.tp_rank, RoleModel.tp_rank), which says which
+            vocabulary slice it holds.
     Returns:
         float32 with the leading shape of logits. Gradient flows into logits.
     """
@@ -36,7 +35,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 
     scaled = logits.float() / temperature
     part = scaled.shape[-1]
-    first = (current_context().tp_rank if tp_rank is None else tp_rank) * part
+    first = tp_rank * part
     if first + part > vocab_size:  # this rank holds padding rows
         cols = torch.arange(first, first + part, device=scaled.device)
         scaled = scaled.masked_fill(cols >= vocab_size, float("-inf"))
@@ -125,10 +124,13 @@ def collect_logprobs(
     temperature: float,
     vocab_size: int,
     routing: RoutingReplay | None = None,
+    *,
+    tp_rank: int,
 ) -> bool:
-    """Policy model: log-probs of each predicted token into `out` [B, L]; False off the last pipeline stage."""
+    """Policy model: log-probs of each predicted token into `out` [B, L]; False off the last pipeline stage.
+    `tp_rank`: this rank's tensor-parallel rank (which vocabulary slice its logits hold)."""
 
     def logprobs(mb: MicroBatch, output: torch.Tensor) -> torch.Tensor:
-        return token_logprobs(output.reshape(mb.seq_len, -1), mb.targets(), temperature, vocab_size)
+        return token_logprobs(output.reshape(mb.seq_len, -1), mb.targets(), temperature, vocab_size, tp_rank=tp_rank)
 
     return _collect(model, microbatches, out, logprobs, routing)

@@ -12,8 +12,7 @@ import shutil
 import zlib
 from pathlib import Path
 
-import torch.distributed as dist
-
+from megatron_sao.distributed.collectives import all_gather_object, share, world_position
 from megatron_sao.files import is_disk_full, no_space
 
 log = logging.getLogger(__name__)
@@ -40,27 +39,19 @@ def _files(root: Path) -> list[Path]:
 
 def _mine(items: list[Path]) -> list[Path]:
     """This rank's share of `items` (round robin), so a large checkpoint is hashed by all ranks at once."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world = world_position()
     return items[rank::world]
-
-
-def _gather(value: object) -> list[object]:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [value]
-    out: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 def write_checksums(root: Path) -> None:
     """Collective: every rank hashes its share of root's files; rank 0 writes root/checksums.json."""
-    files = _files(root) if dist.get_rank() == 0 else []
-    files = _broadcast(files)
+    rank0 = world_position()[0] == 0
+    files = share(_files(root) if rank0 else [])
     mine = {str(p.relative_to(root)): [p.stat().st_size, crc32_of(p)] for p in _mine(files)}
     merged: dict[str, list[int]] = {}
-    for part in _gather(mine):
-        merged.update(part)  # type: ignore[arg-type]
-    if dist.get_rank() == 0:
+    for part in all_gather_object(mine):
+        merged.update(part)
+    if rank0:
         (root / CHECKSUMS).write_text(json.dumps(merged, sort_keys=True, indent=0) + "\n")
 
 
@@ -86,16 +77,8 @@ def verify_checksums(root: Path) -> str | None:
             problem = f"{path} does not match its checksum (corrupted after it was written)"
         if problem:
             break
-    problems = [p for p in _gather(problem) if p]
+    problems = [p for p in all_gather_object(problem) if p]
     return str(problems[0]) if problems else None
-
-
-def _broadcast(files: list[Path]) -> list[Path]:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return files
-    box = [files]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 FULL_MARGIN = 16 << 20

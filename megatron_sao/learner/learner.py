@@ -38,7 +38,8 @@ from megatron_sao.bus.schema import Routes, Trajectory
 from megatron_sao.config.learner import Routing
 from megatron_sao.config.parallel import ParallelConfig
 from megatron_sao.config.tree import SAOConfig
-from megatron_sao.distributed.bootstrap import DistContext, current_context
+from megatron_sao.distributed.bootstrap import DistContext
+from megatron_sao.distributed.collectives import gather_to_rank0
 from megatron_sao.learner.batch import StepBatch, check_trainable, make_step_batch, select, shard_for_data_parallel
 from megatron_sao.learner.errors import NonFiniteTraining
 from megatron_sao.learner.forward import collect_values
@@ -63,7 +64,6 @@ class StepPlan:
     mbs: list[MicroBatch]
     metrics: dict[str, float]
     sequence_advantages: torch.Tensor | None  # critic-free arms: [num_trajectories]
-    holds_outputs: bool  # DistContext.holds_outputs: the loss functions' values live on this rank
 
 
 def check_learner_parallelism(parallel: ParallelConfig) -> None:
@@ -102,15 +102,6 @@ def _first_values(batch: StepBatch, values: torch.Tensor) -> dict[str, float]:
     return out
 
 
-def _gather_on_rank0(local: dict[str, float]) -> dict[str, float]:
-    """Collective over the world: every rank's entries merged on rank 0 ({} elsewhere)."""
-    if dist.get_world_size() == 1:
-        return local
-    parts: list[dict[str, float]] | None = [{}] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(local, parts, dst=0)
-    return {k: v for part in parts or [] for k, v in part.items()}
-
-
 def _data_parallel_sum(stats: torch.Tensor, group: Any) -> torch.Tensor:
     """algo.Moments over this stage's data-parallel ranks: whitening sees the whole step, not this rank's shard."""
     out = stats.to(_device())
@@ -121,15 +112,24 @@ def _data_parallel_sum(stats: torch.Tensor, group: Any) -> torch.Tensor:
 class Learner:
     """Owns the roles on this rank, the policy weight version and the critic-free baselines' state."""
 
-    def __init__(self, cfg: SAOConfig, spec: ModelSpec | None = None, roles: Collection[str] | None = None,
-                 layout: DistContext | None = None) -> None:  # fmt: skip
-        """`roles`: the models built on these ranks. Default both (the critic only for algo.name=sao); with
-        learner.value_on_separate_ranks the policy job (run/learn.py) builds {"policy"} and the value job
-        (run/critic.py) {"value"}. `layout`: what init_distributed returned (default: the process's current one)."""
-        roles = self._roles(cfg, roles)
+    def __init__(self, cfg: SAOConfig, spec: ModelSpec | None = None, roles: Collection[str] | None = None, *,
+                 layout: DistContext) -> None:  # fmt: skip
+        """`roles`: the models built on these ranks; default: those of the learner job (config.roles.Jobs: both, the
+        critic only for algo.name=sao; with a value job of its own the learner job (run/learn.py) builds {"policy"}
+        and the value job (run/critic.py) {"value"}, and each passes its own). `layout`: what init_distributed
+        returned."""
+        jobs = cfg.jobs
+        if roles is None and jobs.value is not None:
+            raise ValueError(
+                "learner.value_on_separate_ranks=true: this learner needs roles={'policy'} or roles={'value'} "
+                "(one per job: run/learn.py and run/critic.py), or set learner.value_on_separate_ranks=false"
+            )
+        roles = set(jobs.learner.roles if roles is None else roles)
+        self.job = jobs.job_for(roles)
+        """The job this learner belongs to (config.roles): where it saves its checkpoints."""
         check_learner_parallelism(cfg.parallel)
         self.cfg = cfg
-        self.layout = layout or current_context()
+        self.layout = layout
         self.spec = spec or ModelSpec.from_config(cfg.model)
         self.use_thd = uses_transformer_engine(self.spec)  # the same decision build_role's layer specs follow
         learner, algo = cfg.learner, cfg.algo
@@ -146,14 +146,14 @@ class Learner:
         self.policy: RoleModel | None = None
         if "policy" in roles:
             self.policy = build_role(
-                self.spec, cfg.parallel, "policy", learner.policy, total_steps=learner.max_steps,
-                use_distributed_optimizer=learner.use_distributed_optimizer,
+                self.spec, cfg.parallel, "policy", learner.policy, tp_rank=layout.tp_rank,
+                total_steps=learner.max_steps, use_distributed_optimizer=learner.use_distributed_optimizer,
                 moe_aux_loss_coeff=learner.moe_aux_loss_coeff, recompute=learner.recompute, routing=routing,
             )  # fmt: skip
         self.value: RoleModel | None = None
         if "value" in roles:
             self.value = build_role(
-                self.spec, cfg.parallel, "value", learner.value,
+                self.spec, cfg.parallel, "value", learner.value, tp_rank=layout.tp_rank,
                 total_steps=learner.max_steps * algo.value.updates_per_policy_step,
                 use_distributed_optimizer=learner.use_distributed_optimizer,
                 recompute=learner.recompute, routing="replay" if learner.critic_routing_replay else "off",
@@ -182,26 +182,10 @@ class Learner:
         self.state_values = None  # the oracle_value arm's table of state values
         if algo.name == "oracle_value":
             self.state_values = StateValueTable(algo.oracle_value.window, algo.oracle_value.lambda_turn)
-        if dist.get_rank() == 0:
+        if self.layout.is_rank0:
             for role in (self.policy, self.value):
                 if role is not None:
                     logger.info(role.report.summary(role.role))
-
-    @staticmethod
-    def _roles(cfg: SAOConfig, roles: Collection[str] | None) -> set[str]:
-        wanted = {"policy", "value"} if cfg.algo.uses_critic else {"policy"}
-        if roles is None:
-            if cfg.learner.value_on_separate_ranks:
-                raise ValueError(
-                    "learner.value_on_separate_ranks=true: this learner needs roles={'policy'} or roles={'value'} "
-                    "(one per job: run/learn.py and run/critic.py), or set learner.value_on_separate_ranks=false"
-                )
-            return wanted
-        roles = set(roles)
-        if not roles or roles - wanted:
-            raise ValueError(f"roles={sorted(roles)} must be a non-empty subset of {sorted(wanted)} for "
-                             f"algo.name={cfg.algo.name}")  # fmt: skip
-        return roles
 
     # ------------------------------------------------------------------ weights
 
@@ -241,7 +225,7 @@ class Learner:
         return plan.metrics
 
     # The two halves of a step, for a value model on its own ranks (learner.value_on_separate_ranks): the value
-    # job runs critic_step, hands the advantages to the policy job (run/critic.py's bridge), which runs
+    # job runs critic_step, hands the advantages to the policy job (learner/value_job.py's bridge), which runs
     # policy_step on the same trajectories. Both split them over data-parallel ranks the same way.
 
     def critic_step(
@@ -271,8 +255,8 @@ class Learner:
 
     def policy_step(self, trajectories: Sequence[Trajectory], advantages: dict[str, np.ndarray]) -> dict[str, float]:
         """Policy job: one policy update with advantages computed by the value job (by trajectory id; every rank
-        of the last pipeline stage needs those of its data-parallel shard: run/critic.py gives every rank all of
-        them)."""
+        of the last pipeline stage needs those of its data-parallel shard: learner/value_job.py gives every rank all
+        of them)."""
         if self.policy is None:
             raise ValueError("policy_step needs the policy role on this learner (roles={'policy'})")
         plan = self._plan(trajectories)
@@ -317,7 +301,7 @@ class Learner:
         if total_actions == 0:
             logger.warning("step skipped: its %d trajectories hold no generated tokens", len(trajectories))
             return {**metrics, "step/skipped": 1.0}
-        return StepPlan(len(trajectories), mine, batch, mbs, metrics, seq_adv, layout.holds_outputs)
+        return StepPlan(len(trajectories), mine, batch, mbs, metrics, seq_adv)
 
     def _policy_update(self, plan: StepPlan, advantages: torch.Tensor) -> None:
         assert self.policy is not None
@@ -325,7 +309,7 @@ class Learner:
             self.policy, plan.mbs, plan.batch, advantages, self.cfg.algo, self.cfg.rollout.sampling.temperature,
             self.spec.vocab_size,
         )  # fmt: skip
-        plan.metrics.update(reduce_metrics(results, plan.holds_outputs))
+        plan.metrics.update(reduce_metrics(results, self.layout))
         plan.metrics.update(self._nonfinite("policy", ok))
         if self.policy.routing is not None:
             mismatched, decisions = self.policy.routing.take_stats()
@@ -394,14 +378,15 @@ class Learner:
             first = first_action_tokens(batch.action_mask)
             stats.append(ev_totals("value/ev_", old_values, returns, gae_mask))
             stats.append(ev_totals("value/ev_first_", old_values, returns, first))
-        self.first_values = _gather_on_rank0(_first_values(batch, old_values) if plan.holds_outputs else {})
-        reduced = reduce_metrics(stats, plan.holds_outputs)
+        holds_outputs = self.layout.holds_outputs
+        self.first_values = gather_to_rank0(_first_values(batch, old_values) if holds_outputs else {}) or {}
+        reduced = reduce_metrics(stats, self.layout)
         explained_variance(reduced, "value/ev_", "value/explained_variance")
         explained_variance(reduced, "value/ev_first_", "value/explained_variance_first_token")
         metrics.update(reduced)
         if publish is not None:
             by_id = {}
-            if advantages is not None and plan.holds_outputs:
+            if advantages is not None and holds_outputs:
                 for row, traj_id in enumerate(batch.trajectory_ids):
                     by_id[traj_id] = advantages[row, : batch.lengths[row]].numpy().copy()
             publish(by_id)
@@ -425,7 +410,7 @@ class Learner:
         clip = self.cfg.algo.value.clip
         results, ok, grad_norm = value_update(self.value, plan.mbs, plan.batch, returns, old_values, clip,
                                               value_mask=mask, record_values=record)  # fmt: skip
-        reduced = explained_variance(reduce_metrics(results, plan.holds_outputs), "value/ev_",
+        reduced = explained_variance(reduce_metrics(results, self.layout), "value/ev_",
                                      "value/explained_variance_post")  # fmt: skip
         if k == 0:
             plan.metrics["loss/value_first"] = reduced["loss/value"]
@@ -447,7 +432,7 @@ class Learner:
             mean = float(sums[0] / sums[1]) if sums[1] > 0 else 0.0
             with torch.no_grad():
                 self.value.model.output_layer.bias.fill_(mean)
-            if dist.get_rank() == 0 or plan.holds_outputs:
+            if self.layout.is_rank0 or self.layout.holds_outputs:
                 logger.info("value head: bias set to %.4f, the mean return of the first batch", mean)
         self.value.reload_main_params()
         self.value_head_fitted = True
@@ -490,7 +475,7 @@ class Learner:
                                      f"routes as {self.routes}: every trajectory needs the engines' routes of this "
                                      "model (rollout.return_routed_experts on every worker)")  # fmt: skip
             except ValueError as e:
-                if dist.get_rank() == 0:
+                if self.layout.is_rank0:
                     logger.error("dropping a trajectory: %s", e)
                 continue
             kept.append(t)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_sao.distributed.bootstrap import DistContext
 from megatron_sao.learner.step import WeightedMetrics
 
 
@@ -13,10 +14,10 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def reduce_metrics(per_microbatch: list[WeightedMetrics], holds_outputs: bool, prefix: str = "") -> dict[str, float]:
-    """Collective over the world: every rank must call it with its (possibly empty) list; `holds_outputs`
-    (DistContext.holds_outputs): this rank's values count (last stage, TP rank 0, CP rank 0)."""
-    contributes = holds_outputs
+def reduce_metrics(per_microbatch: list[WeightedMetrics], layout: DistContext, prefix: str = "") -> dict[str, float]:
+    """Collective over the world: every rank must call it with its (possibly empty) list; only the values of the
+    ranks that hold the outputs count (layout.holds_outputs: last stage, TP rank 0, CP rank 0)."""
+    contributes = layout.holds_outputs
     local: WeightedMetrics = {}
     for m in per_microbatch if contributes else []:
         for name, (v, w) in m.items():
@@ -27,9 +28,7 @@ def reduce_metrics(per_microbatch: list[WeightedMetrics], holds_outputs: bool, p
                 pv, pw = local.get(name, (0.0, 0.0))
                 local[name] = (pv + v, pw + w)
     # Every rank needs the same names in the same order: take them from the first contributing rank.
-    source = torch.tensor(
-        [dist.get_rank() if contributes else dist.get_world_size()], dtype=torch.int64, device=_device()
-    )
+    source = torch.tensor([layout.rank if contributes else layout.world_size], dtype=torch.int64, device=_device())
     dist.all_reduce(source, op=dist.ReduceOp.MIN)
     names = [sorted(local)]
     dist.broadcast_object_list(names, src=int(source.item()))

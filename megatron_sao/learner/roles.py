@@ -69,6 +69,8 @@ class RoleModel:
     optimizer: Any  # megatron (Chained/Distributed) optimizer
     scheduler: Any  # megatron OptimizerParamScheduler
     report: TrainableReport
+    tp_rank: int
+    """This rank's tensor-parallel rank (DistContext.tp_rank): which vocabulary slice the policy's logits hold."""
     routing: RoutingReplay | None = None
     """Its routers fed with the engine's routes (learner/routing.py): replaying or only measuring; None: neither."""
     optimizer_steps: int = 0
@@ -160,17 +162,17 @@ def build_role(
     role: Role,
     optim: RoleOptimConfig,
     *,
+    tp_rank: int,
     total_steps: int,
     use_distributed_optimizer: bool,
     moe_aux_loss_coeff: float = 0.0,
     recompute: Recompute = "none",
     routing: Routing = "off",
 ) -> RoleModel:
-    """Build, freeze, wrap and attach an optimizer; weights are still the random init (load them next). `routing`
-    (a MoE model): replay the engine's routes, only measure against them, or neither."""
+    """Build, freeze, wrap and attach an optimizer; weights are still the random init (load them next). `tp_rank`:
+    this rank's tensor-parallel rank (DistContext.tp_rank). `routing` (a MoE model): replay the engine's routes,
+    only measure against them, or neither."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    from megatron_sao.distributed.bootstrap import current_context
 
     aux = moe_aux_loss_coeff if role == "policy" else 0.0
     config = transformer_config(spec, parallel, moe_aux_loss_coeff=aux, moe_enable_routing_replay=routing != "off",
@@ -178,8 +180,7 @@ def build_role(
     model = build_model(spec, config, role)
     replay = None
     if routing != "off":
-        ctx = current_context()
-        replay = RoutingReplay(model, routing == "replay", ctx.tp_rank, parallel.tensor, parallel.use_sequence_parallel)
+        replay = RoutingReplay(model, routing == "replay", tp_rank, parallel.tensor, parallel.use_sequence_parallel)
     report = select_trainable(model, optim.trainable, optim.frozen)
     if recompute == "full":
         _grad_into_frozen_embedding(model)
@@ -202,4 +203,4 @@ def build_role(
         wd_incr_steps=max(total_steps, 1),
         wd_incr_style="constant",
     )
-    return RoleModel(role, config, ddp, optimizer, scheduler, report, replay)
+    return RoleModel(role, config, ddp, optimizer, scheduler, report, tp_rank, replay)

@@ -125,7 +125,9 @@ def policy_update(
     def loss_fn(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         assert advantages is not None, "policy loss evaluated off the last pipeline stage"
         dev = output.device
-        logp = token_logprobs(output.reshape(mb.seq_len, -1), mb.targets(), temperature, vocab_size)[None]
+        logp = token_logprobs(
+            output.reshape(mb.seq_len, -1), mb.targets(), temperature, vocab_size, tp_rank=policy.tp_rank
+        )[None]
         rollout = mb.pack(batch.rollout_logprobs).to(dev)[None]
         adv = mb.pack(advantages).to(dev)[None]
         mask = mb.pack(batch.action_mask).to(dev)[None]

@@ -69,7 +69,7 @@ def measure_roles(hf_dir: str, tokens: int, recompute: str) -> dict[str, Any]:
     from megatron_sao.learner.roles import build_role
 
     cfg = load_config(None, ["--model.hf_path", hf_dir, "--model.dtype", "fp32", "--learner.recompute", recompute])
-    init_distributed(cfg.parallel, seed=7)
+    layout = init_distributed(cfg.parallel, seed=7)
     spec = ModelSpec.from_config(cfg.model)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, spec.vocab_size, (1, tokens), generator=g)
@@ -77,13 +77,16 @@ def measure_roles(hf_dir: str, tokens: int, recompute: str) -> dict[str, Any]:
     mask = torch.triu(torch.ones(1, 1, tokens, tokens, dtype=torch.bool), diagonal=1)
     out: dict[str, Any] = {}
     for role, optim in (("policy", cfg.learner.policy), ("value", cfg.learner.value)):
-        rm = build_role(spec, cfg.parallel, role, optim, total_steps=1, use_distributed_optimizer=True,
-                        recompute=recompute)  # fmt: skip
+        rm = build_role(spec, cfg.parallel, role, optim, tp_rank=layout.tp_rank, total_steps=1,
+                        use_distributed_optimizer=True, recompute=recompute)  # fmt: skip
         rm.zero_grad()
         with saved_activations(parameter_storages(rm)) as saved:
             output = rm.model(ids, positions, mask)
             if role == "policy":
-                loss = -token_logprobs(output.reshape(tokens, -1), ids.roll(-1, 1)[0], 1.0, spec.vocab_size).mean()
+                logp = token_logprobs(
+                    output.reshape(tokens, -1), ids.roll(-1, 1)[0], 1.0, spec.vocab_size, tp_rank=layout.tp_rank
+                )
+                loss = -logp.mean()
             else:
                 loss = output.float().pow(2).mean()
             activations = saved()

@@ -7,9 +7,9 @@ measured tensors on CPU."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
-from megatron_sao.config.parallel import ParallelConfig
+from megatron_sao.config.parallel import ParallelConfig, ParallelSizes
 from megatron_sao.models.builder import Role
 from megatron_sao.plan.tensors import Architecture, TensorSpec, model_tensors
 
@@ -17,24 +17,16 @@ GB = 1e9
 
 
 @dataclass(frozen=True)
-class Layout:
-    """The learner's parallel layout on `world` ranks."""
+class Layout(ParallelSizes):
+    """The learner's parallel layout on `world_size` ranks: the sizes the runtime's distributed.DistContext holds too
+    (config.parallel.ParallelSizes, one record for both) and the transformer layers of each pipeline stage."""
 
-    tp: int
-    pp: int
-    cp: int
-    ep: int
-    etp: int
-    dp: int
-    edp: int
-    sequence_parallel: bool
-    virtual_pipeline: int | None
-    stage_layers: tuple[int, ...]
+    stage_layers: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, parallel: ParallelConfig, world: int, num_layers: int) -> Layout:
         """Raises ValueError naming the field when the sizes do not fit (ParallelConfig's own checks)."""
-        dp = parallel.data_parallel_size(world)
+        sizes = parallel.sizes(world)
         first, last = parallel.stage_layers(num_layers)
         pp = parallel.pipeline
         if first is None and last is None:
@@ -43,10 +35,7 @@ class Layout:
             ends = (first is not None) + (last is not None)
             middle = (num_layers - (first or 0) - (last or 0)) // max(pp - ends, 1)
             layers = tuple([first or middle] + [middle] * (pp - 2) + [last or middle]) if pp > 1 else (num_layers,)
-        etp = parallel.resolved_expert_tensor
-        return cls(tp=parallel.tensor, pp=pp, cp=parallel.context, ep=parallel.expert, etp=etp, dp=dp,
-                   edp=world // (parallel.expert * etp * pp), sequence_parallel=parallel.use_sequence_parallel,
-                   virtual_pipeline=parallel.virtual_pipeline, stage_layers=layers)  # fmt: skip
+        return cls(**{f.name: getattr(sizes, f.name) for f in fields(ParallelSizes)}, stage_layers=layers)
 
     def stage_range(self, stage: int) -> range:
         start = sum(self.stage_layers[:stage])
@@ -137,8 +126,8 @@ def in_flight_microbatches(layout: Layout, stage: int, microbatches: int | None 
     """Micro-batches whose activations a stage holds at once under 1F1B: PP - stage (the first stage the most), or
     all of the step's when it has fewer; interleaving adds megatron's (PP-1)/(PP*VP) penalty."""
     base = layout.pp - stage if microbatches is None else min(layout.pp - stage, microbatches)
-    if layout.virtual_pipeline:
-        base *= 1 + (layout.pp - 1) / (layout.pp * layout.virtual_pipeline)
+    if layout.vpp:
+        base *= 1 + (layout.pp - 1) / (layout.pp * layout.vpp)
     return base
 
 

@@ -167,7 +167,7 @@ class Plan:
     misfits: list[Misfit] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     value_layout: Layout | None = None
-    """The value job's layout (learner.value_on_separate_ranks), else None: the critic shares the learner's ranks."""
+    """The value job's layout (config.roles.Jobs.value), else None: the critic shares the learner's ranks."""
     value_world: int = 0
     value_stages: list[StagePlan] = field(default_factory=list)
 
@@ -252,9 +252,10 @@ def _check_topology(cfg: SAOConfig, arch: Architecture, hw: Hardware, plan: Plan
         plan.layout = Layout.of(p, plan.world, arch.num_layers)
     except ValueError as e:
         plan.misfits.append(Misfit(_field(str(e), "parallel.pipeline"), str(e)))
-    if cfg.learner.value_on_separate_ranks:
-        vp = cfg.learner.value_parallel or p
-        plan.value_world = cfg.launch.value_world_size
+    value_job = cfg.jobs.value
+    if value_job is not None:
+        vp = value_job.parallel
+        plan.value_world = value_job.world_size
         try:
             if arch.experts:
                 vp.check_num_experts(arch.experts)
@@ -292,8 +293,7 @@ def _learner_stages(cfg: SAOConfig, arch: Architecture, layout: Layout, hw: Hard
     for sao unless it has ranks of its own); the push's staging on stages that hold the policy."""
     learner = cfg.learner
     if roles is None:
-        shared_critic = cfg.algo.name == "sao" and not learner.value_on_separate_ranks
-        roles = ("policy", "value") if shared_critic else ("policy",)
+        roles = tuple(sorted(cfg.jobs.learner.roles))
     use_te = cfg.model.dtype == "bf16"  # GPU bf16: Transformer Engine layers, fused attention
     common = dict(dtype=cfg.model.dtype, distributed_optimizer=learner.use_distributed_optimizer,
                   tokens=largest_microbatch(cfg, tokens), recompute=recompute, flash_attention=use_te,

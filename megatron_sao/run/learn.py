@@ -36,7 +36,8 @@ import torch.distributed as dist
 from megatron_sao.bus.schema import Trajectory
 from megatron_sao.config.tree import SAOConfig
 from megatron_sao.config.weight_sync import WeightSyncConfig
-from megatron_sao.distributed.bootstrap import DistContext, share
+from megatron_sao.distributed.bootstrap import DistContext
+from megatron_sao.distributed.collectives import share
 from megatron_sao.distributed.dirlock import DirLock
 from megatron_sao.engines.protocol import agent_url
 from megatron_sao.files import STOP_FILE, TRAJECTORIES_FILE
@@ -74,7 +75,8 @@ class StopSignal:
     <run_dir>/STOP, which the Slurm launcher writes (a signal through torchrun gives the ranks only 30 s before it
     kills them, too little to checkpoint a large model) -- agreed on by all ranks."""
 
-    def __init__(self, request_file: Path | None = None) -> None:
+    def __init__(self, layout: DistContext, request_file: Path | None = None) -> None:
+        self.layout = layout
         self.got = 0
         self.first_at = 0.0
         self.request_file = request_file
@@ -108,11 +110,11 @@ class StopSignal:
 
     def agreed(self) -> int:
         """Collective: the signal any rank got (0: none)."""
-        if dist.get_world_size() == 1:
+        if self.layout.world_size == 1:
             return self.signum
         import torch
 
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        device = torch.device("cuda", torch.cuda.current_device()) if self.layout.backend == "nccl" else "cpu"
         flag = torch.tensor([self.signum], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())
@@ -167,7 +169,7 @@ class EngineWeights:
             if attempt:
                 time.sleep(FINAL_PUSH_RETRY_S)
             metrics = self.push("final")
-        if self.enabled and (self.failed or self.behind) and dist.get_rank() == 0:
+        if self.enabled and (self.failed or self.behind) and self.learner.layout.is_rank0:
             log.error("the engines do not hold the final version %d (the last pushes failed)", self.learner.version)
         return metrics
 
@@ -202,13 +204,14 @@ def _progress(batch: Sequence[Trajectory], metrics: dict[str, Any], max_steps: i
 
 class Steps:
     """The two halves of a step where they run: in this learner (the critic on the same ranks, one after the other),
-    or the critic in its own job (run/critic.py), whose K updates run while this job updates the policy and pushes.
+    or the critic in its own job (learner/value_job.py), whose K updates run while this job updates the policy and
+    pushes.
     There, `train(batch, look_ahead)` also hands the value job the next step's batch before the policy update when
     `look_ahead()` has one ready: the value job starts on it once this step's critic updates end, instead of when
     the policy job comes back for it. The next step then trains on `ahead`. Collective over the learner."""
 
     def __init__(self, learner: Any, critic: Any = None) -> None:
-        self.learner, self.critic = learner, critic  # critic: run.critic.RemoteCritic or None
+        self.learner, self.critic = learner, critic  # critic: learner.value_job.RemoteCritic or None
         self._policy_done = 0.0
         self.ahead: list[Trajectory] | None = None  # the next step's batch, already with the value job
 
@@ -266,19 +269,19 @@ class _Run:
         from megatron_sao.learner.learner import Learner
 
         self.cfg = cfg
-        self.rank0 = dist.get_rank() == 0
-        separate = cfg.learner.value_on_separate_ranks
-        if separate and not critic_bridge:
+        self.rank0 = layout.is_rank0
+        jobs = cfg.jobs
+        if jobs.value is not None and not critic_bridge:
             raise ValueError("learner.value_on_separate_ranks=true: the learner (the policy job) needs the value job's "
                              "bridge address (--critic-bridge tcp://HOST:PORT; `run` starts the value job and passes "
                              "it), or set learner.value_on_separate_ranks=false")  # fmt: skip
-        self.learner = learner = Learner(cfg, roles={"policy"} if separate else None, layout=layout)
+        self.learner = learner = Learner(cfg, roles=jobs.learner.roles, layout=layout)
         self.critic = None
-        if separate:
-            from megatron_sao.run.critic import RemoteCritic
+        if jobs.value is not None:
+            from megatron_sao.learner.value_job import RemoteCritic
 
             assert critic_bridge is not None
-            self.critic = RemoteCritic(cfg, critic_bridge)
+            self.critic = RemoteCritic(cfg, critic_bridge, layout)
         self.resume = _resume_path(cfg)
         extra: dict[str, Any] = {}
         if self.resume is not None:
@@ -330,7 +333,7 @@ class _Run:
             self.engines.evals = self.evals
         self.saved_at: tuple[int, int] | None = (learner.version, self.pretrain.steps) if self.resume else None
         self.step_count = 0
-        self.stop = StopSignal(self.run_dir / STOP_FILE if self.rank0 else None)
+        self.stop = StopSignal(layout, self.run_dir / STOP_FILE if self.rank0 else None)
         self.stopped = 0  # the signal all ranks agreed to stop on
 
     def next_batch(self) -> list[Trajectory] | None:
@@ -475,11 +478,11 @@ def learn(
     `on_ready` runs on rank 0 once the receiver listens and the engines hold the learner's weights (after a resume:
     once they were pushed), before the first trajectory is taken: run/local.py starts the rollout worker there, so
     no token is generated with weights the learner never had. `critic_bridge` (learner.value_on_separate_ranks): the
-    address this job hosts the bridge to the value job on (run/critic.py)."""
+    address this job hosts the bridge to the value job on (learner/value_job.py)."""
     from megatron_sao.distributed.bootstrap import init_distributed
 
     layout = init_distributed(cfg.parallel, seed=cfg.learner.seed)
-    lock = DirLock(cfg.launch.run_dir, "learn") if dist.get_rank() == 0 else None
+    lock = DirLock(cfg.launch.run_dir, "learn") if layout.is_rank0 else None
     if lock is not None:  # one learner per run dir; the others' ranks stop in the collectives
         lock.acquire()
     try:
@@ -493,7 +496,7 @@ def _learn(cfg: SAOConfig, layout: DistContext, engine_urls: list[str], on_ready
            critic_bridge: str | None) -> dict[str, Any]:  # fmt: skip
     from megatron_sao.distributed.bootstrap import destroy_distributed
 
-    if not engine_urls and dist.get_rank() == 0:
+    if not engine_urls and layout.is_rank0:
         log.warning("no engine URLs (--engines / rollout.engine_urls): the engines never get the trained weights; "
                     "every trajectory will be generated by the initial policy")  # fmt: skip
     run = _Run(cfg, layout, engine_urls, critic_bridge)
@@ -590,7 +593,7 @@ def _weight_sync(learner: Any, cfg: SAOConfig, engine_urls: list[str]) -> Any:
     if cfg.weight_sync.agent:  # pushes go to each engine's push agent (engines/agent/), generation to the engine
         engine_urls = [agent_url(u, cfg.weight_sync.agent_port_offset) for u in engine_urls]
     return WeightSync(learner.policy.model, learner.spec, dtype_of, cfg.weight_sync, engine_urls,
-                      stage=learner.layout.pp_rank, fp8_format=engine_fp8_format(cfg))  # fmt: skip
+                      layout=learner.layout, fp8_format=engine_fp8_format(cfg))  # fmt: skip
 
 
 def engine_fp8_format(cfg: SAOConfig) -> Any:

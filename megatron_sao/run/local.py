@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from megatron_sao.config.roles import LearnerJob
 from megatron_sao.config.tree import SAOConfig
 from megatron_sao.distributed.spawn import child_env
 from megatron_sao.engines import sglang_launcher as engines
@@ -88,11 +89,12 @@ def run_local(cfg: SAOConfig, config_path: str, overrides: list[str]) -> dict[st
         supervisor = Supervisor(procs, dict(commands), workers, start_worker, logs, cfg.launch.max_restarts)
         supervisor.start()
         bridge = None
-        if cfg.learner.value_on_separate_ranks:
+        value = cfg.jobs.value
+        if value is not None:
             from megatron_sao.distributed.spawn import find_free_port
 
             bridge = f"tcp://127.0.0.1:{find_free_port()}"
-            value_job = _start_value_job(cfg, config_path, overrides, bridge, logs)
+            value_job = _start_value_job(value, config_path, overrides, bridge, logs)
         if cfg.launch.learner_world_size > 1:
             first_worker()  # torchrun's ranks resume and push on their own; tokens before that are just stale
             summary = _torchrun_learner(cfg, config_path, overrides, urls, logs, bridge)
@@ -287,11 +289,11 @@ class Supervisor(threading.Thread):
 
 
 def _start_value_job(
-    cfg: SAOConfig, config_path: str, overrides: list[str], bridge: str, logs: Path
+    job: LearnerJob, config_path: str, overrides: list[str], bridge: str, logs: Path
 ) -> subprocess.Popen[bytes]:
-    """The value job (learner.value_on_separate_ranks), logging to <run_dir>/logs/critic.log; it joins the learner's
-    bridge once the learner is up, and exits when the learner tells it to."""
-    n = cfg.launch.value_world_size
+    """The value job (config.roles.Jobs.value), logging to <run_dir>/logs/critic.log; it joins the learner's bridge
+    once the learner is up, and exits when the learner tells it to."""
+    n = job.world_size
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"] if n > 1 else \
         [sys.executable]  # fmt: skip
     cmd = [*launcher, "-m", "megatron_sao", "critic", config_path, "--bridge", bridge, *overrides]

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from megatron_sao.config.weight_sync import WeightSyncConfig
 from megatron_sao.distributed import flat_bucket
-from megatron_sao.distributed.bootstrap import current_context
+from megatron_sao.distributed.bootstrap import DistContext
 from megatron_sao.distributed.update_group import block_group_name
 from megatron_sao.engines.protocol import SHARDED_BUCKET
 from megatron_sao.models.builder import ModelSpec
@@ -91,16 +91,18 @@ class WeightSync:
         dtype_of: Callable[[str], torch.dtype],
         cfg: WeightSyncConfig,
         engine_urls: list[str],
-        stage: int | None = None,
+        *,
+        layout: DistContext,
         fp8_format: Fp8Format | None = None,
     ) -> None:
-        """`fp8_format`: the engines serve a block-FP8 checkpoint (models/fp8.py checkpoint_format of what they
-        load): its weights are quantized into that format before they travel."""
-        self.cfg, self.spec = cfg, spec
-        self.rank = dist.get_rank()
+        """`layout`: the learner's DistContext (its rank and pipeline stage). `fp8_format`: the engines serve a
+        block-FP8 checkpoint (models/fp8.py checkpoint_format of what they load): its weights are quantized into that
+        format before they travel."""
+        self.cfg, self.spec, self.layout = cfg, spec, layout
+        self.rank = layout.rank
         self.backend = resolve_backend(cfg.backend)
         self.control, self.plan, self.gather = prepare(
-            model, spec, dtype_of, cfg.bucket_bytes, stage, gloo_sends=self.backend != "nccl", fp8_format=fp8_format
+            model, spec, dtype_of, cfg.bucket_bytes, layout, gloo_sends=self.backend != "nccl", fp8_format=fp8_format
         )
         self.stage = self.gather.stage
         self.sources_group = dist.new_group(self.plan.sources, backend="gloo")
@@ -218,7 +220,7 @@ class WeightSync:
                                             spec.group_timeout_s)  # fmt: skip
                 except (RuntimeError, ValueError) as e:
                     error = f"stage {st.stage} relay rank {self.rank}: could not join its block groups: {e}"
-            errors: list[Any] = [None] * dist.get_world_size()
+            errors: list[Any] = [None] * self.layout.world_size
             dist.all_gather_object(errors, error, group=self.control)
             error = next((e for e in errors if e is not None), None)
             if error is not None:
@@ -361,19 +363,18 @@ def prepare(
     spec: ModelSpec,
     dtype_of: Callable[[str], torch.dtype],
     bucket_bytes: int,
-    stage: int | None,
+    layout: DistContext,
     gloo_sends: bool,
     fp8_format: Fp8Format | None = None,
 ) -> tuple[Any, TransferPlan, StageGather]:
     """Collective: (the gloo control group, the plan every rank computed, this rank's StageGather). Every rank tells
-    the others its pieces (one object gather), then creates every gather group in the plan's order. `stage`: this
-    rank's pipeline stage (default: the process's layout, distributed.current_context())."""
-    rank = dist.get_rank()
+    the others its pieces (one object gather), then creates every gather group in the plan's order. `layout`: the
+    learner's DistContext (this rank, its pipeline stage, the world)."""
+    rank = layout.rank
     control = dist.new_group(backend="gloo")  # small objects only: plan metadata, decisions, reports
     pieces = local_pieces(model, rank)
-    stage = current_context().pp_rank if stage is None else stage
-    infos: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(infos, rank_info(pieces, rank, stage), group=control)
+    infos: list[Any] = [None] * layout.world_size
+    dist.all_gather_object(infos, rank_info(pieces, rank, layout.pp_rank), group=control)
     mapping = weight_mapping(spec)
     plan = build_plan(infos, mapping, dtype_of, bucket_bytes, fp8_format)
     device = pieces[0][1].device if pieces else torch.device("cpu")
@@ -389,12 +390,13 @@ def gather_hf_tensors(
     spec: ModelSpec,
     dtype_of: Callable[[str], torch.dtype],
     bucket_bytes: int,
-    stage: int | None = None,
+    *,
+    layout: DistContext,
     fp8_format: Fp8Format | None = None,
 ) -> tuple[dict[str, torch.Tensor], TransferPlan, int]:
     """Collective, no engines: run every stage's gathers and keep what each source would send. Returns (this rank's
     {HF name: tensor} -- its stage's tensors on a source, {} elsewhere --, the plan, this rank's peak extra bytes).
-    For tests, tools and benchmarks: the same plan and gathers as a push."""
-    _, plan, gather = prepare(model, spec, dtype_of, bucket_bytes, stage, gloo_sends=True, fp8_format=fp8_format)
+    For tests, tools and benchmarks: the same plan and gathers as a push. `layout`: the learner's DistContext."""
+    _, plan, gather = prepare(model, spec, dtype_of, bucket_bytes, layout, gloo_sends=True, fp8_format=fp8_format)
     out = collect(gather)
     return out, plan, gather.meter.peak

@@ -67,7 +67,9 @@ def _policy_logprobs(hf_dir: str, dtype: str, use_te: bool, temperature: float) 
     mbs = pack_microbatches(batch, max_tokens=64, pad_multiple=1, use_thd=use_te)
     logp = torch.zeros_like(batch.rollout_logprobs)
     with torch.no_grad():
-        assert collect_logprobs(policy, mbs, logp, temperature=temperature, vocab_size=spec.vocab_size)
+        assert collect_logprobs(
+            policy, mbs, logp, temperature=temperature, vocab_size=spec.vocab_size, tp_rank=ctx.tp_rank
+        )
     device = str(next(policy.parameters()).device)
     destroy_distributed()
     return {"logp": logp, "mask": batch.action_mask, "device": device, "context_device": str(ctx.device)}
@@ -173,7 +175,7 @@ def _device_push(hf_dir: str, url: str, master_port: int) -> dict[str, Any]:
     learner = Learner(cfg, roles={"policy"}, layout=init_distributed(cfg.parallel))
     learner.load_hf(hf_dir)
     sync = WeightSync(learner.policy.model, learner.spec, hf_dtype_of(learner.hf_source, torch.bfloat16),
-                      cfg.weight_sync, [url])  # fmt: skip
+                      cfg.weight_sync, [url], layout=learner.layout)  # fmt: skip
     with torch.no_grad():
         for p in learner.policy.model.parameters():
             p.add_(0.01)

@@ -38,8 +38,8 @@ def _one_step_per_variant(hf_dir: str, trajectories, variants: dict[str, list[st
     out = {}
     for name, extra in variants.items():
         cfg = load_config(None, [*_as_overrides(base), *extra])
-        init_distributed(cfg.parallel, seed=5)
-        learner = Learner(cfg)
+        ctx = init_distributed(cfg.parallel, seed=5)
+        learner = Learner(cfg, layout=ctx)
         learner.load_hf(hf_dir)
         value_before = {n: p.detach().clone() for n, p in learner.value.model.named_parameters()}
         metrics = learner.train_step(trajectories)

@@ -24,8 +24,8 @@ def _learner(hf_dir: str, arm: str, **extra: Any) -> Any:
     cfg.algo.grpo.group_size = 3
     for key, value in extra.items():
         setattr(cfg.learner, key, value)
-    init_distributed(cfg.parallel, seed=3)
-    learner = Learner(cfg)
+    ctx = init_distributed(cfg.parallel, seed=3)
+    learner = Learner(cfg, layout=ctx)
     learner.load_hf(hf_dir)
     return learner
 

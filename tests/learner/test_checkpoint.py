@@ -27,8 +27,8 @@ def _save_then_resume(hf_dir: str, batches, ckpt: str, layouts: dict, dtype: str
 
     world = int(os.environ["WORLD_SIZE"])
     cfg = learner_config(hf_dir, {}, world, dtype)
-    init_distributed(cfg.parallel, seed=5)
-    learner = Learner(cfg)
+    ctx = init_distributed(cfg.parallel, seed=5)
+    learner = Learner(cfg, layout=ctx)
     learner.load_hf(hf_dir)
     learner.train_step(batches[0])
     save_checkpoint(learner, ckpt, extra={"bus": {"watermark": 7}, "cursor": 3})
@@ -37,8 +37,8 @@ def _save_then_resume(hf_dir: str, batches, ckpt: str, layouts: dict, dtype: str
     destroy_distributed(keep_process_group=True)
     for name, layout in layouts.items():
         cfg = learner_config(hf_dir, layout, world, dtype)
-        init_distributed(cfg.parallel, seed=99)  # another seed: everything must come from the checkpoint
-        learner = Learner(cfg)
+        ctx = init_distributed(cfg.parallel, seed=99)  # another seed: everything must come from the checkpoint
+        learner = Learner(cfg, layout=ctx)
         extra = load_checkpoint(learner, ckpt)
         out[name] = {"extra": extra, "version": learner.version, "metrics": _continue(learner, batches[1:])}
         out["shards"][name] = local_shards(learner.policy.model) + local_shards(learner.value.model)
@@ -95,8 +95,8 @@ def _hf_source_through_loads(hf_dir: str, root: str) -> dict:
     cfg = learner_config(hf_dir, {}, int(os.environ["WORLD_SIZE"]), "bf16")
     out = {}
     for how in ("load_hf", "load_checkpoint", "load_pretrained"):
-        init_distributed(cfg.parallel, seed=5)
-        learner = Learner(cfg)
+        ctx = init_distributed(cfg.parallel, seed=5)
+        learner = Learner(cfg, layout=ctx)
         if how == "load_hf":
             learner.load_hf(hf_dir)
         elif how == "load_checkpoint":

@@ -29,8 +29,8 @@ def _scenario(hf_dir: str, root: str, batches: list) -> dict:
 
     root_p = Path(root)
     cfg = learner_config(hf_dir, {}, int(os.environ["WORLD_SIZE"]), "fp32")
-    init_distributed(cfg.parallel, seed=5)
-    learner = Learner(cfg)
+    ctx = init_distributed(cfg.parallel, seed=5)
+    learner = Learner(cfg, layout=ctx)
     learner.load_hf(hf_dir)
     out: dict = {}
     for batch in batches[:2]:
@@ -54,7 +54,7 @@ def _scenario(hf_dir: str, root: str, batches: list) -> dict:
         dist.barrier()
 
     damage(_data_file(root_p / "iter_0000002"), "flip")
-    fresh = Learner(cfg)
+    fresh = Learner(cfg, layout=ctx)
     ck.load_checkpoint(fresh, root_p)
     out["fell_back_to"] = fresh.version
     out["after_fallback"] = sorted(p.name for p in root_p.iterdir())
@@ -63,10 +63,10 @@ def _scenario(hf_dir: str, root: str, batches: list) -> dict:
     ck.save_checkpoint(fresh, root_p)
     out["resaved"] = sorted(p.name for p in root_p.iterdir())
     try:
-        ck.load_checkpoint(Learner(cfg), root_p / "iter_0000002.damaged")
+        ck.load_checkpoint(Learner(cfg, layout=ctx), root_p / "iter_0000002.damaged")
     except ck.CheckpointError as e:
         out["direct"] = str(e)
-    again = Learner(cfg)  # learner.load names an older checkpoint of the same directory
+    again = Learner(cfg, layout=ctx)  # learner.load names an older checkpoint of the same directory
     ck.load_checkpoint(again, root_p / "iter_0000001")
     again.train_step(batches[1])
     ck.save_checkpoint(again, root_p)
@@ -74,7 +74,7 @@ def _scenario(hf_dir: str, root: str, batches: list) -> dict:
     damage(root_p / "iter_0000001" / "common.pt", "truncate")
     damage(_data_file(root_p / "iter_0000002"), "flip")
     try:
-        ck.load_checkpoint(Learner(cfg), root_p)
+        ck.load_checkpoint(Learner(cfg, layout=ctx), root_p)
     except ck.CheckpointError as e:
         out["none_intact"] = str(e)
 

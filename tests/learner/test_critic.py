@@ -60,8 +60,8 @@ def _critic_steps(hf_dir: str, first, second) -> dict[str, Any]:
 
     cfg = learner_config(hf_dir, {}, int(os.environ["WORLD_SIZE"]))
     cfg.learner.policy.warmup_steps, cfg.learner.value.warmup_steps = 3, 4
-    init_distributed(cfg.parallel, seed=5)
-    learner = Learner(cfg)
+    ctx = init_distributed(cfg.parallel, seed=5)
+    learner = Learner(cfg, layout=ctx)
     learner.load_hf(hf_dir)
     assert not learner.value_head_fitted
     fit, fitted_bias = learner._fit_value_bias, []
@@ -126,8 +126,8 @@ def _whitened_step(hf_dir: str, trajectories, whiten: bool) -> dict[str, Any]:
 
     cfg = learner_config(hf_dir, {}, int(os.environ["WORLD_SIZE"]))
     cfg.algo.gae.whiten_advantages = whiten
-    init_distributed(cfg.parallel, seed=5)
-    learner = Learner(cfg)
+    ctx = init_distributed(cfg.parallel, seed=5)
+    learner = Learner(cfg, layout=ctx)
     learner.load_hf(hf_dir)
     learner.value_head_fitted = True  # keep the zero head: values 0, so the advantages keep the rewards' spread
     metrics = learner.train_step(trajectories)
@@ -154,8 +154,8 @@ def _critic_params_after_one_step(hf_dir: str, trajectories, fused: bool) -> dic
     from megatron_sao.learner.learner import Learner
 
     cfg = learner_config(hf_dir, {}, int(os.environ["WORLD_SIZE"]), k=1)
-    init_distributed(cfg.parallel, seed=5)
-    learner = Learner(cfg)
+    ctx = init_distributed(cfg.parallel, seed=5)
+    learner = Learner(cfg, layout=ctx)
     learner.load_hf(hf_dir)
     published: list[dict] = []
     # K = 1 with a policy job waiting on the advantages takes the separate forward; without one, the fused path

@@ -39,7 +39,7 @@ def _outputs_per_layout(hf_dir: str, dtype: str) -> dict:
     batch = make_step_batch(make_batch(5), max_seq_len=4096)
     out = {}
     for name, parallel in LAYOUTS.items():
-        init_distributed(parallel, seed=3)
+        ctx = init_distributed(parallel, seed=3)
         policy = build_model(spec, transformer_config(spec, parallel))
         load_hf_weights(policy, spec, HFCheckpoint(hf_dir))
         value = build_model(spec, transformer_config(spec, parallel), role="value")
@@ -51,7 +51,9 @@ def _outputs_per_layout(hf_dir: str, dtype: str) -> dict:
         logp = torch.zeros_like(batch.rollout_logprobs)
         values = torch.zeros_like(batch.rollout_logprobs)
         with torch.no_grad():
-            has_logp = collect_logprobs(policy, mbs, logp, temperature=0.7, vocab_size=spec.vocab_size)
+            has_logp = collect_logprobs(
+                policy, mbs, logp, temperature=0.7, vocab_size=spec.vocab_size, tp_rank=ctx.tp_rank
+            )
             has_values = collect_values(value, mbs, values)
         out[name] = (logp, values) if has_logp and has_values else None
         out[f"{name}_microbatches"] = len(mbs)

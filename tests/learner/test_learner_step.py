@@ -59,8 +59,8 @@ def _one_step_per_layout(hf_dir: str, trajectories, layouts: dict, dtype: str) -
     out = {}
     for name, layout in layouts.items():
         cfg = learner_config(hf_dir, layout, int(os.environ["WORLD_SIZE"]), dtype)
-        init_distributed(cfg.parallel, seed=5)
-        learner = Learner(cfg)
+        ctx = init_distributed(cfg.parallel, seed=5)
+        learner = Learner(cfg, layout=ctx)
         learner.load_hf(hf_dir)
         frozen = {n: p.detach().clone() for n, p in learner.value.model.named_parameters() if not p.requires_grad}
         before = {n: p.detach().clone() for n, p in learner.policy.model.named_parameters()}
@@ -134,8 +134,8 @@ def _step_with_bad_trajectories(hf_dir: str, trajectories) -> dict:
     from megatron_sao.learner.learner import Learner
 
     cfg = learner_config(hf_dir, {}, 1)
-    init_distributed(cfg.parallel)
-    learner = Learner(cfg)
+    ctx = init_distributed(cfg.parallel)
+    learner = Learner(cfg, layout=ctx)
     learner.load_hf(hf_dir)
     return learner.train_step(trajectories)
 
@@ -159,8 +159,8 @@ def _router_after_one_step(hf_dir: str, trajectories, coeff: float) -> dict:
 
     cfg = learner_config(hf_dir, {}, 1)
     cfg.learner.moe_aux_loss_coeff = coeff
-    init_distributed(cfg.parallel)
-    learner = Learner(cfg)
+    ctx = init_distributed(cfg.parallel)
+    learner = Learner(cfg, layout=ctx)
     learner.load_hf(hf_dir)
     metrics = learner.train_step(trajectories)
     routers = {n: p.detach().clone() for n, p in learner.policy.model.named_parameters() if ".router." in n}

@@ -23,14 +23,16 @@ def _pretrained_train_save(hf_dir: str, converted: str, save_dir: str, trajector
     from megatron_sao.models.shards import local_shards
 
     cfg = learner_config(hf_dir, {"tensor": 2}, int(os.environ["WORLD_SIZE"]))
-    init_distributed(cfg.parallel, seed=2)
-    learner = Learner(cfg)
+    ctx = init_distributed(cfg.parallel, seed=2)
+    learner = Learner(cfg, layout=ctx)
     load_pretrained(learner, converted)
     batch = make_step_batch(trajectories, 4096)
     mbs = pack_microbatches(batch, 64, pad_multiple=2, use_thd=False)
     logp = torch.zeros_like(batch.rollout_logprobs)
     with torch.no_grad():
-        collect_logprobs(learner.policy.ddp, mbs, logp, temperature=1.0, vocab_size=learner.spec.vocab_size)
+        collect_logprobs(
+            learner.policy.ddp, mbs, logp, temperature=1.0, vocab_size=learner.spec.vocab_size, tp_rank=ctx.tp_rank
+        )
     value_embedding = local_shards(learner.value.model)
     learner.train_step(trajectories)
     path = save_checkpoint(learner, save_dir)
@@ -91,8 +93,8 @@ def _load_foreign(hf_dir: str, converted: str) -> str:
     from megatron_sao.learner.learner import Learner
 
     cfg = learner_config(hf_dir, {}, 1)
-    init_distributed(cfg.parallel)
-    learner = Learner(cfg)
+    ctx = init_distributed(cfg.parallel)
+    learner = Learner(cfg, layout=ctx)
     try:
         load_pretrained(learner, converted)
     except CheckpointError as e:

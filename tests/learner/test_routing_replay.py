@@ -81,14 +81,14 @@ def _logprobs_and_step(hf_dir: str, trajectories, mode: str) -> dict:
     from megatron_sao.learner.learner import Learner
 
     cfg = learner_config(hf_dir, {}, 1, extra=MODES[mode])
-    init_distributed(cfg.parallel, seed=5)
-    learner = Learner(cfg)
+    ctx = init_distributed(cfg.parallel, seed=5)
+    learner = Learner(cfg, layout=ctx)
     learner.load_hf(hf_dir)
     batch = make_step_batch(trajectories, cfg.model.max_seq_len)
     logp = torch.zeros_like(batch.rollout_logprobs)
     with torch.no_grad():
         collect_logprobs(learner.policy.ddp, learner._microbatches(batch), logp, 1.0, learner.spec.vocab_size,
-                         routing=learner.policy.routing)  # fmt: skip
+                         routing=learner.policy.routing, tp_rank=ctx.tp_rank)  # fmt: skip
     learner.policy.routing.take_stats()  # the step below counts its own
     out = {"logp": logp, "engine": batch.rollout_logprobs, "mask": batch.action_mask,
            "metrics": learner.train_step(trajectories)}  # fmt: skip
@@ -123,8 +123,8 @@ def _step_per_layout(hf_dir: str, trajectories, layouts: dict, recompute: str = 
         layout = dict(layout)
         extra = (*MODES["replay"], "--learner.recompute", layout.pop("recompute", recompute))
         cfg = learner_config(hf_dir, layout, int(os.environ["WORLD_SIZE"]), extra=extra)
-        init_distributed(cfg.parallel, seed=5)
-        learner = Learner(cfg)
+        ctx = init_distributed(cfg.parallel, seed=5)
+        learner = Learner(cfg, layout=ctx)
         learner.load_hf(hf_dir)
         metrics = learner.train_step(trajectories)
         out[name] = {"policy": local_shards(learner.policy.model), "metrics": metrics}
@@ -160,8 +160,8 @@ def _critic_values_and_step(hf_dir: str, trajectories, critic_replay: bool) -> d
 
     extra = (*MODES["replay"], "--learner.critic_routing_replay", str(critic_replay).lower())
     cfg = learner_config(hf_dir, {}, 1, extra=extra)
-    init_distributed(cfg.parallel, seed=5)
-    learner = Learner(cfg)
+    ctx = init_distributed(cfg.parallel, seed=5)
+    learner = Learner(cfg, layout=ctx)
     learner.load_hf(hf_dir)
     head = learner.value.model.output_layer
     with torch.no_grad():

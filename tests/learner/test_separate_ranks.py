@@ -1,4 +1,5 @@
-"""A critic on its own ranks (learner.value_on_separate_ranks): a value job (run/critic.py, its own world and layout)
+"""A critic on its own ranks (learner.value_on_separate_ranks): a value job (run/critic.py, learner/value_job.py; its
+own world and layout)
 and a policy job bridged over torch.distributed update every parameter as one learner holding both models, report
 the same losses, and checkpoint each its own half of the same step."""
 
@@ -33,15 +34,15 @@ def _policy_job(hf_dir, batches, address, layouts, ranks, save_dir, ahead=False)
     from megatron_sao.distributed import init_distributed
     from megatron_sao.learner.checkpoint import save_checkpoint
     from megatron_sao.learner.learner import Learner
+    from megatron_sao.learner.value_job import RemoteCritic
     from megatron_sao.models.shards import local_shards
-    from megatron_sao.run.critic import RemoteCritic
     from megatron_sao.run.learn import Steps
 
     cfg = _cfg(hf_dir, *layouts, *ranks, save_dir)
-    init_distributed(cfg.parallel, seed=5)
-    learner = Learner(cfg, roles={"policy"})
+    ctx = init_distributed(cfg.parallel, seed=5)
+    learner = Learner(cfg, roles={"policy"}, layout=ctx)
     learner.load_hf(hf_dir)
-    critic = RemoteCritic(cfg, address)
+    critic = RemoteCritic(cfg, address, ctx)
     assert critic.begin(None) == 0
     steps = Steps(learner, critic)
     records = []
@@ -63,9 +64,9 @@ def _value_job(hf_dir, address, layouts, ranks, save_dir):
     import torch.distributed as dist
 
     from megatron_sao.models.shards import local_shards
-    from megatron_sao.run.critic import ValueJob
+    from megatron_sao.run.critic import start_value_job, stop_value_job
 
-    job = ValueJob.start(_cfg(hf_dir, *layouts, *ranks, save_dir), address)
+    job = start_value_job(_cfg(hf_dir, *layouts, *ranks, save_dir), address)
     try:
         job.serve()
         from megatron.core import parallel_state as ps
@@ -73,7 +74,7 @@ def _value_job(hf_dir, address, layouts, ranks, save_dir):
         return {"x": {"value": local_shards(job.learner.value.model)}, "world": dist.get_world_size(),
                 "tp": ps.get_tensor_model_parallel_world_size()}  # fmt: skip
     finally:
-        job.close()
+        stop_value_job(job)
 
 
 def _both_jobs(policy: tuple, value: tuple, ranks=(1, 1), timeout_s: float = 400):
@@ -143,8 +144,8 @@ def _serial_steps(hf_dir: str, batches) -> dict:
     from megatron_sao.models.shards import local_shards
 
     cfg = learner_config(hf_dir, {}, 1)
-    init_distributed(cfg.parallel, seed=5)
-    learner = Learner(cfg)
+    ctx = init_distributed(cfg.parallel, seed=5)
+    learner = Learner(cfg, layout=ctx)
     learner.load_hf(hf_dir)
     records = [learner.train_step(b) for b in batches]
     return {"single": {"policy": local_shards(learner.policy.model), "value": local_shards(learner.value.model)},
@@ -178,11 +179,11 @@ def _stop_before_collecting(hf_dir, batches, address):
     """The policy job hands step 2's batch over and then sends Stop, a send that returns only once the value job
     took it, before collecting anything of step 1 but its advantages."""
     from megatron_sao.distributed import init_distributed
-    from megatron_sao.run.critic import RemoteCritic, Stop
+    from megatron_sao.learner.value_job import RemoteCritic, Stop
 
     cfg = _cfg(hf_dir, {}, {}, 1, 1)
-    init_distributed(cfg.parallel, seed=5)
-    critic = RemoteCritic(cfg, address)
+    ctx = init_distributed(cfg.parallel, seed=5)
+    critic = RemoteCritic(cfg, address, ctx)
     critic.begin(None)
     critic.submit(batches[0], 0)
     first = critic.advantages()
@@ -223,10 +224,14 @@ def test_separate_ranks_need_an_explicit_role(tiny_hf_dir):
     cfg = learner_config(str(tiny_hf_dir("qwen3_moe")), {}, 1)
     cfg.learner.value_on_separate_ranks = True
     with pytest.raises(ValueError, match="needs roles="):
-        Learner._roles(cfg, None)
+        Learner(cfg, layout=None)  # refused before the layout is looked at
+    jobs = cfg.jobs
     with pytest.raises(ValueError, match="subset"):
-        Learner._roles(cfg, {"critic"})
-    assert Learner._roles(cfg, {"value"}) == {"value"}
+        jobs.job_for({"critic"})
+    with pytest.raises(ValueError, match="one per job"):
+        jobs.job_for({"policy", "value"})
+    assert jobs.job_for({"value"}) is jobs.value and jobs.value.checkpoint_subdir == "value"
+    assert jobs.job_for({"policy"}) is jobs.learner and jobs.learner.roles == {"policy"}
 
 
 @pytest.mark.parametrize(
@@ -265,4 +270,4 @@ def test_layouts_the_learner_does_not_implement_are_refused(tiny_hf_dir, field: 
     cfg = learner_config(str(tiny_hf_dir("qwen3_moe")), {}, 1)
     setattr(cfg.parallel, field, value)
     with pytest.raises(ValueError, match=message):  # before anything distributed is touched
-        Learner(cfg)
+        Learner(cfg, layout=None)

@@ -60,12 +60,14 @@ def _built(hf_dir: str, layouts: dict[str, dict[str, int]]) -> dict[str, Any]:
         for key, value in layout.items():
             overrides += [f"--parallel.{key}", str(value)]
         cfg = load_config(None, overrides)
-        init_distributed(cfg.parallel)
+        ctx = init_distributed(cfg.parallel)
         spec = ModelSpec.from_config(cfg.model)
         from megatron.core import parallel_state as ps
 
         for role, optim in (("policy", cfg.learner.policy), ("value", cfg.learner.value)):
-            rm = build_role(spec, cfg.parallel, role, optim, total_steps=1, use_distributed_optimizer=True)
+            rm = build_role(
+                spec, cfg.parallel, role, optim, tp_rank=ctx.tp_rank, total_steps=1, use_distributed_optimizer=True
+            )
             shards = local_shards(rm.model, skip_replicas=False, copy=False)
             out[f"{name}/{role}"] = {s.name: (s.full_shape, s.tensor.numel()) for s in shards}
             out[f"{name}/{role}/numel"] = (

@@ -24,11 +24,11 @@ def _gather(hf_dir: str, layout: dict[str, int], bucket: int) -> dict[str, Any]:
     from megatron_sao.weight_sync import gather_hf_tensors, hf_dtype_of
 
     cfg = learner_config(hf_dir, layout, int(os.environ["WORLD_SIZE"]))
-    init_distributed(cfg.parallel, seed=3)
-    learner = Learner(cfg, roles={"policy"})
+    ctx = init_distributed(cfg.parallel, seed=3)
+    learner = Learner(cfg, roles={"policy"}, layout=ctx)
     learner.load_hf(hf_dir)
     dtype_of = hf_dtype_of(learner.hf_source, torch.float32)
-    tensors, plan, peak = gather_hf_tensors(learner.policy.model, learner.spec, dtype_of, bucket)
+    tensors, plan, peak = gather_hf_tensors(learner.policy.model, learner.spec, dtype_of, bucket, layout=ctx)
     stage = plan.stage_of(torch.distributed.get_rank())
     return {
         "tensors": tensors, "peak": peak, "bound": plan.memory_bound(),

@@ -33,8 +33,8 @@ def _learner(hf_dir: str, layout: dict[str, int], port: int, bucket_mb: float, *
     cfg.weight_sync.master_port, cfg.weight_sync.bucket_mb = port, bucket_mb
     for key, value in sync.items():
         setattr(cfg.weight_sync, key, value)
-    init_distributed(cfg.parallel, seed=3)
-    learner = Learner(cfg)
+    ctx = init_distributed(cfg.parallel, seed=3)
+    learner = Learner(cfg, layout=ctx)
     learner.load_hf(hf_dir)
     return cfg, learner
 
@@ -43,7 +43,7 @@ def _sync(learner: Any, cfg: Any, urls: list[str]) -> Any:
     from megatron_sao.weight_sync import WeightSync, hf_dtype_of
 
     return WeightSync(learner.policy.model, learner.spec, hf_dtype_of(learner.hf_source, torch.float32),
-                      cfg.weight_sync, urls)  # fmt: skip
+                      cfg.weight_sync, urls, layout=learner.layout)  # fmt: skip
 
 
 def _learner_logprobs(learner: Any, tokens: list[int], prompt_len: int) -> list[float] | None:
@@ -61,7 +61,14 @@ def _learner_logprobs(learner: Any, tokens: list[int], prompt_len: int) -> list[
     mbs = pack_microbatches(batch, max_tokens=64, pad_multiple=learner.cfg.parallel.tensor, use_thd=False)
     logp = torch.zeros_like(batch.rollout_logprobs)
     with torch.no_grad():
-        if not collect_logprobs(learner.policy.model, mbs, logp, temperature=1.0, vocab_size=learner.spec.vocab_size):
+        if not collect_logprobs(
+            learner.policy.model,
+            mbs,
+            logp,
+            temperature=1.0,
+            vocab_size=learner.spec.vocab_size,
+            tp_rank=learner.layout.tp_rank,
+        ):
             return None
     return [float(x) for x in logp[0, prompt_len - 1 :]]
 
@@ -475,7 +482,7 @@ def _step_and_push(hf_dir: str, url: str, fp8_dir: str | None, port: int) -> dic
     learner.train_step(on_policy(make_batch(6, seed=3), hf_dir))
     fmt = checkpoint_format(fp8_dir) if fp8_dir else None
     sync = WeightSync(learner.policy.model, learner.spec, hf_dtype_of(learner.hf_source, torch.float32),
-                      cfg.weight_sync, [url], fp8_format=fmt)  # fmt: skip
+                      cfg.weight_sync, [url], layout=learner.layout, fp8_format=fmt)  # fmt: skip
     out: dict[str, Any] = {"push": sync.push(learner.version)}
     engine = SGLangClient(url)
     out["gen"] = engine.generate(PROMPT, {"max_new_tokens": 12, **GREEDY})

@@ -113,8 +113,9 @@ def main(argv: list[str]) -> int:
         threading.Thread(target=tp.watch_ranks, args=(store, layout, children, tp_rank), name="engine-tp-watch",
                          daemon=True).start()  # fmt: skip
         if tp_rank != 0:
-            serve_follower(store, tp_rank, args.model, dtype=args.dtype, max_running=args.max_running_requests,
-                           context_length=args.context_length, sglang_version=sglang_version)  # fmt: skip
+            serve_follower(store, tp_rank, layout.tp_size, args.model, dtype=args.dtype,
+                           max_running=args.max_running_requests, context_length=args.context_length,
+                           sglang_version=sglang_version)  # fmt: skip
             return 0
     try:
         state = build_state(

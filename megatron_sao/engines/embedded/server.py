@@ -30,8 +30,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-import torch.distributed as dist
-
 from megatron_sao.distributed import flat_bucket
 from megatron_sao.engines import auth
 from megatron_sao.engines import protocol as P
@@ -517,6 +515,7 @@ def traffic_summary(updater: WeightUpdater) -> dict[str, dict[str, int]]:
 def serve_follower(
     store: Any,
     tp_rank: int,
+    tp_size: int,
     model_dir: str,
     *,
     dtype: str,
@@ -525,10 +524,11 @@ def serve_follower(
     sglang_version: str,
 ) -> None:
     """A TP rank other than 0 (embedded/tp.py): its shard of the model, its own KV cache of its heads and its own
-    weight updater, driven by rank 0's commands; never returns (ends with rank 0)."""
+    weight updater, driven by rank 0's commands; never returns (ends with rank 0). `tp_size`: the engine's TP ranks
+    (its TPLayout; the process group tp.join made)."""
     from megatron_sao.engines.embedded.model_runner import ModelRunner, load_engine_model
 
-    model, _ = load_engine_model(model_dir, dtype, dist.get_world_size())
+    model, _ = load_engine_model(model_dir, dtype, tp_size)
     ctx = context_length or int(getattr(model.config, "max_position_embeddings", 4096))
     runner, cache = ModelRunner(model), SlotKVCache(max_running, ctx)
     updater = WeightUpdater(model, P.ServerProtocol(sglang_version, embedded=True), float("inf"), tp_rank=tp_rank)
