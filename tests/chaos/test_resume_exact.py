@@ -107,6 +107,7 @@ def _run(hf_dir: Path, run_dir: Path, kill_at: int | None) -> float:
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_a_killed_and_resumed_learner_trains_bitwise_as_an_uncrashed_one(tiny_hf_dir: Any, tmp_path: Path) -> None:
     hf_dir = Path(tiny_hf_dir("qwen3_moe"))
     _run(hf_dir, tmp_path / "uncrashed", kill_at=None)

@@ -27,7 +27,7 @@ def _generate(url: str) -> Any:
     return SGLangClient(url).generate(PROMPT, GREEDY)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "glm_moe_dsa"])
+@pytest.mark.parametrize("family", ["qwen3_moe", pytest.param("glm4_moe", marks=pytest.mark.slow), "glm_moe_dsa"])
 def test_tp2_generates_the_tokens_and_logprobs_of_tp1(start_engine: Any, tiny_dirs: dict[str, Path],
                                                      family: str) -> None:  # fmt: skip
     one, two = start_engine(tiny_dirs[family]), start_engine(tiny_dirs[family], "--tp-size", "2")
@@ -37,6 +37,25 @@ def test_tp2_generates_the_tokens_and_logprobs_of_tp1(start_engine: Any, tiny_di
     a, b = _generate(one.url), _generate(two.url)
     assert a.output_ids == b.output_ids
     assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+def test_an_engine_over_two_nodes_generates_what_one_rank_does(start_engine: Any, tiny_dirs: dict[str, Path]) -> None:
+    """Its ranks spread as SGLang spreads them over nodes (--nnodes 2 --node-rank --dist-init-addr), here two
+    processes of one machine: node 0 serves HTTP, node 1 follows its commands; greedy tokens and log-probs equal a
+    one-rank engine's. The slow tier runs it on the local Slurm cluster, taking pushes from a TP=2 x PP=2 learner
+    (tests/launch/test_slurm.py)."""
+    model = tiny_dirs["qwen3_moe"]
+    spread = ("--tp-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{find_free_port()}")
+    one, head = start_engine(model), start_engine(model, *spread, "--node-rank", "0")
+    follower = start_engine(model, *spread, "--node-rank", "1")
+    one.wait_healthy()
+    head.wait_healthy()
+    assert SGLangClient(head.url).server_info()["tp_size"] == 2
+    a, b = _generate(one.url), _generate(head.url)
+    assert a.output_ids == b.output_ids
+    assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    assert "engine TP rank 1 serving rank 0's commands" in follower.log_path.read_text()
+    assert follower.proc.poll() is None
 
 
 def _join(clients: list[SGLangClient], tp_sizes: list[int], port: int, name: str = "g",

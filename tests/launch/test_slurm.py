@@ -2,7 +2,11 @@
 `./launch.sh submit` of the tiny example puts the learner (torchrun, 2 ranks) on n1, the engine on n2 and the rollout
 worker on n3; the job completes, the learner reaches its steps and pushed its weights to the engine on the other
 node. Then `scancel` mid-run: the learner checkpoints on the way out and a resubmission resumes from it. And an
-engine that dies beyond launch.max_restarts stops the run, after the learner checkpointed."""
+engine that dies beyond launch.max_restarts stops the run, after the learner checkpointed.
+
+The default tier runs the last one (a real submission, every role on its own node, pushes verified, the launcher's
+restart budget) and the dry-run ones; the whole-job variants (a job to its end, scancel and resubmission, the value
+job, an engine over two nodes, the CPU example as a new user submits it) are in the slow tier."""
 
 from __future__ import annotations
 
@@ -79,6 +83,7 @@ def _steps(run_dir: Path) -> list[dict[str, Any]]:
     return [r for r in records if "step/trajectories" in r]
 
 
+@pytest.mark.slow
 def test_submit_runs_every_role_on_its_own_node(cluster: dict[str, str], model: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     job, code, said = _submit(cluster, _args(model, run_dir, 3), wait=True)
@@ -98,6 +103,7 @@ def test_submit_runs_every_role_on_its_own_node(cluster: dict[str, str], model: 
     assert_ledger_ok(run_dir)
 
 
+@pytest.mark.slow
 def test_a_critic_on_its_own_ranks_trains_beside_the_learner(
     cluster: dict[str, str], model: Path, tmp_path: Path
 ) -> None:
@@ -122,6 +128,7 @@ def test_a_critic_on_its_own_ranks_trains_beside_the_learner(
     assert_ledger_ok(run_dir)
 
 
+@pytest.mark.slow
 def test_scancel_checkpoints_and_a_resubmission_resumes(cluster: dict[str, str], model: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = _args(model, run_dir, 400)
@@ -157,17 +164,22 @@ def test_a_step_beyond_its_restart_budget_stops_the_run_after_a_checkpoint(
     job, code, said = _submit(cluster, args, wait=False)
     assert code == 0, said
     _wait_for_steps(run_dir, job, 2)
+    for r in _steps(run_dir):  # every step's weights reached the engine on n2, checksums verified
+        assert r["sync/version"] == r["weight_version"] and r["sync/failed"] == 0 and r["sync/engines"] == 1
     cmds = [(p, p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])]
     (engine,) = [p for p, c in cmds if c and "srun" not in c[0] and "engine" in c and port in c]  # not its srun
     engine.kill()  # the engine on n2 dies; launch.max_restarts=0: no restart
     _wait_until_gone(cluster, job, "its engine died")
     out = _output(run_dir, job)
+    assert re.search(r"n1 +127\.0\.0\.1 +learner\n +n2 +127\.0\.0\.1 +engine-0\n +n3 +127\.0\.0\.1 +rollout-0", out)
+    assert "learner on 1 node(s) x 2 rank(s)" in out
     assert "engine-0 exited with" in out and "after 0 restart(s) (launch.max_restarts); stopping the run" in out, out
     assert "stop requested" in out and "stopped by SIGTERM" in out  # the learner checkpointed on the way out
     last = _steps(run_dir)[-1]["weight_version"]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"iter_{last:07d}"
 
 
+@pytest.mark.slow
 def test_an_engine_spanning_two_nodes_takes_pushes_from_a_tp2_pp2_learner(
     cluster: dict[str, str], model: Path, tmp_path: Path
 ) -> None:
@@ -198,6 +210,7 @@ def test_an_engine_spanning_two_nodes_takes_pushes_from_a_tp2_pp2_learner(
     assert_ledger_ok(run_dir)
 
 
+@pytest.mark.slow
 def test_the_cpu_example_runs_on_one_node_of_a_cluster_without_gpus(cluster: dict[str, str], tmp_path: Path) -> None:
     """`./launch.sh submit examples/tiny_cpu/config.yaml --wait --learner.max_steps 6` as a new user types it, on a
     cluster without GPU GRES: the example is launch.mode=local (submit runs it as slurm), asks for no GPU, makes its

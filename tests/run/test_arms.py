@@ -59,10 +59,15 @@ ARMS = {
     "running_mean": ["--algo.name", "running_mean", "--learner.trajectories_per_step", "2", "--learner.max_steps",
                      "3"],
 }  # fmt: skip
+DEFAULT_TIER_ARMS = ("sao_n1", "grpo")
+"""The other two run in the slow tier; their learner steps are tests/learner/test_arms.py's, their rollout sides
+tests/rollout/test_worker.py's (batch lag) and tests/bus/test_admission.py's (streaming under admission)."""
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("arm", list(ARMS))
+@pytest.mark.parametrize(
+    "arm", [a if a in DEFAULT_TIER_ARMS else pytest.param(a, marks=pytest.mark.slow) for a in ARMS]
+)
 def test_each_arm_runs_end_to_end_with_its_version_ledger(tiny_hf_dir: Any, tmp_path: Path, arm: str) -> None:
     run_dir = tmp_path / "run"
     done = subprocess.run(_cmd(tiny_hf_dir("qwen3_moe"), run_dir, *ARMS[arm]), cwd=REPO, capture_output=True,

@@ -120,6 +120,7 @@ def test_run_pushes_through_a_push_agent(tiny_hf_dir: Any, tmp_path: Path) -> No
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_run_with_the_critic_on_its_own_ranks_pretrains_trains_and_resumes(tiny_hf_dir: Any, tmp_path: Path) -> None:
     hf_dir = tiny_hf_dir("qwen3_moe")
     run_dir = tmp_path / "run"

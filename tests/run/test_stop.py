@@ -23,7 +23,8 @@ def _steps(run_dir: Path) -> list[dict[str, Any]]:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("how", ["sigterm", "stop_file"])
+# SIGTERM mid-run, checkpoint and resume is also in tests/chaos/test_chaos.py's default-tier seed
+@pytest.mark.parametrize("how", [pytest.param("sigterm", marks=pytest.mark.slow), "stop_file"])
 def test_a_stopped_run_checkpoints_and_resumes(tiny_hf_dir: Any, tmp_path: Path, how: str) -> None:
     run_dir = tmp_path / "run"
     cmd = _cmd(tiny_hf_dir("qwen3_moe"), run_dir, "--learner.max_steps", "500")

@@ -94,10 +94,11 @@ def _push(hf_dir: str, layout: dict[str, int], full_url: str, agent_urls: list[s
 
 @pytest.mark.parametrize(
     ("handover", "layout"),
-    [("direct", {"tensor": 2, "expert": 2, "pipeline": 2}),
+    [("direct", {"tensor": 2}),
      ("hf", {"tensor": 1}),
+     pytest.param("direct", {"tensor": 2, "expert": 2, "pipeline": 2}, marks=pytest.mark.slow),
      pytest.param("hf", {"tensor": 2, "expert": 2, "pipeline": 2}, marks=pytest.mark.slow)],
-    ids=["direct-tp2ep2pp2", "hf-tp1", "hf-tp2ep2pp2"],
+    ids=["direct-tp2", "hf-tp1", "direct-tp2ep2pp2", "hf-tp2ep2pp2"],
 )  # fmt: skip
 def test_agents_hand_each_engine_rank_its_slice_and_the_engines_serve_what_a_full_push_serves(
     start_engine: Any, start_agent: Any, tiny_hf_dir: Any, handover: str, layout: dict[str, int]

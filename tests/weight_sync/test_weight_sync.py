@@ -101,7 +101,8 @@ def _train_push_compare(hf_dir: str, layout: dict[str, int], urls: list[str], po
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", [{"tensor": 2, "pipeline": 2}, {"expert": 2, "pipeline": 2}],
+@pytest.mark.parametrize("layout", [{"tensor": 2, "pipeline": 2},
+                                    pytest.param({"expert": 2, "pipeline": 2}, marks=pytest.mark.slow)],
                          ids=["tp2pp2", "ep2pp2"])  # fmt: skip
 def test_four_rank_learner_pushes_each_stage_to_two_engines_and_logprobs_match(
     start_engine: Any, tiny_hf_dir: Any, layout: dict[str, int]
@@ -209,7 +210,7 @@ def _expected_rank_bytes(hf_dir: str, names: list[str], table: dict[str, Any], d
 @pytest.mark.parametrize(
     ("layout", "world"),
     [({"tensor": 2, "pipeline": 2}, 4),
-     ({"tensor": 2, "expert": 2, "pipeline": 2}, 8)],
+     pytest.param({"tensor": 2, "expert": 2, "pipeline": 2}, 8, marks=pytest.mark.slow)],
     ids=["tp2pp2", "tp2ep2pp2"],
 )  # fmt: skip
 def test_a_shard_aware_push_sends_each_engine_rank_its_slice_and_serves_what_a_full_push_serves(
@@ -320,7 +321,8 @@ def test_a_push_refused_at_any_bucket_leaves_the_engine_as_it_was(start_engine: 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize(("at", "transfer"), [pytest.param("last", "full", marks=pytest.mark.slow),  # as middle
-                                              ("middle", "full"), ("middle", "sharded")])  # fmt: skip
+                                              pytest.param("middle", "full", marks=pytest.mark.slow),  # as sharded
+                                              ("middle", "sharded")])  # fmt: skip
 def test_a_push_cut_at_any_bucket_leaves_the_engine_as_it_was(
     start_engine: Any, tiny_hf_dir: Any, at: str, transfer: str
 ) -> None:
@@ -371,7 +373,7 @@ def _push_under_generation(hf_dir: str, url: str, port: int, pause_mode: str, tr
 @pytest.mark.multiproc
 @pytest.mark.parametrize(("release", "pause_mode", "transfer"), [
     ("0.5.23", "in_place", "full"), ("0.5.10", "in_place", "full"), ("0.5.5", "abort", "full"),
-    ("0.5.23", "none", "full"), ("0.5.23", "none", "sharded")])  # fmt: skip
+    pytest.param("0.5.23", "none", "full", marks=pytest.mark.slow), ("0.5.23", "none", "sharded")])  # fmt: skip
 def test_a_generation_in_flight_across_a_push_carries_two_versions_and_no_flush_is_asked(
     start_engine: Any, tiny_hf_dir: Any, release: str, pause_mode: str, transfer: str
 ) -> None:
