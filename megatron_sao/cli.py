@@ -72,13 +72,13 @@ def _platform(ns: argparse.Namespace, rest: list[str]) -> int:
                             ).parse_args(rest)  # fmt: skip
     import torch
 
-    from megatron_sao.platform import (
+    from megatron_sao.platform_layer import (
         CHECKED_MEGATRON_VERSIONS,
         describe_patches,
         megatron_version,
         transformer_engine_installed,
     )
-    from megatron_sao.platform.registry import NO_TE
+    from megatron_sao.platform_layer.registry import NO_TE
 
     cuda = torch.cuda.is_available()
     print(f"torch {torch.__version__}, CUDA {'available' if cuda else 'absent'}, megatron-core {megatron_version()}")

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megatron_sao"
 
 # lower layers first; packages in one layer do not import each other
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("platform", "config", "files"),
+    ("platform_layer", "config", "files"),
     ("distributed", "algo", "models", "bus"),  # helpers below the stages
     ("engines",),  # where generation runs: below everything that talks to an engine
     ("rollout", "learner", "weight_sync", "convert"),  # the stages
@@ -269,3 +269,16 @@ def test_the_layout_checks_see_a_violation() -> None:
     )
     assert _calls(source, RANK_CALLS) == [3, 4, 5]
     assert _attribute_reads(source, "value_on_separate_ranks") == [6]
+
+
+def test_no_module_shadows_the_standard_library() -> None:
+    """A script run from inside the package puts its folder first on sys.path: a module there named like one of the
+    standard library's (`platform`, `queue`, ...) would shadow it."""
+    import sys
+
+    def name(p: Path) -> str:
+        return p.stem if p.suffix == ".py" else p.name if p.is_dir() else ""
+
+    shadowing = sorted(str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*")
+                       if name(p) in sys.stdlib_module_names)  # fmt: skip
+    assert not shadowing, f"rename these: {shadowing}"

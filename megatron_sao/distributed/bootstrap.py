@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_sao.config.parallel import ParallelConfig, ParallelSizes
 from megatron_sao.distributed.update_group import NCCL_ERROR_HANDLING
-from megatron_sao.platform import activate
+from megatron_sao.platform_layer import activate
 
 
 @dataclass(frozen=True)

@@ -149,7 +149,7 @@ def test_bf16_distributed_optimizer_resume_is_exact(tmp_path):
 
 
 def test_platform_layer_stays_off_when_cuda_is_available(monkeypatch):
-    import megatron_sao.platform as platform
+    import megatron_sao.platform_layer as platform
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
@@ -169,8 +169,8 @@ def test_platform_layer_stays_off_when_cuda_is_available(monkeypatch):
 def test_a_gpu_without_transformer_engine_gets_only_the_no_te_patches(monkeypatch):
     """On an H200 without TE, megatron-core 0.16.1's router raised NameError: te_general_gemm; the patches whose
     failure is TE's absence apply there, the CPU ones do not."""
-    import megatron_sao.platform as platform
-    from megatron_sao.platform.registry import NO_TE
+    import megatron_sao.platform_layer as platform
+    from megatron_sao.platform_layer.registry import NO_TE
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -189,7 +189,7 @@ def test_a_gpu_without_transformer_engine_gets_only_the_no_te_patches(monkeypatc
 
 
 def test_every_patch_names_its_target_reason_and_versions():
-    from megatron_sao.platform import describe_patches
+    from megatron_sao.platform_layer import describe_patches
 
     patches = describe_patches()
     assert len({p.name for p in patches}) == len(patches) >= 10
@@ -199,7 +199,7 @@ def test_every_patch_names_its_target_reason_and_versions():
 
 
 def test_untested_megatron_version_warns(monkeypatch):
-    import megatron_sao.platform as platform
+    import megatron_sao.platform_layer as platform
 
     monkeypatch.setattr(platform, "_applied", [])
     monkeypatch.setattr(platform, "megatron_version", lambda: "9.9.9")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_sao.platform.registry import NO_TE, PATCHES, Patch
+from megatron_sao.platform_layer.registry import NO_TE, PATCHES, Patch
 
 CHECKED_MEGATRON_VERSIONS = ("0.16.1",)
 """megatron-core releases the CPU layer was checked on (tests/platform/ on gloo)."""
@@ -85,7 +85,7 @@ def activate(local_rank: int = 0) -> PlatformInfo:
         # modulo: a Slurm task may see only its own GPU (CUDA_VISIBLE_DEVICES) while SLURM_LOCALID > 0
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         if not _applied_no_te and not transformer_engine_installed():
-            from megatron_sao.platform import cpu_megatron
+            from megatron_sao.platform_layer import cpu_megatron
 
             for patch in PATCHES:
                 if NO_TE in patch.tags:
@@ -103,7 +103,7 @@ def activate(local_rank: int = 0) -> PlatformInfo:
                 stacklevel=2,
             )
         # Importing the modules registers their patches in order.
-        from megatron_sao.platform import cpu_megatron, cpu_torch  # noqa: F401
+        from megatron_sao.platform_layer import cpu_megatron, cpu_torch  # noqa: F401
 
         for patch in PATCHES:
             patch.apply()
@@ -114,7 +114,7 @@ def activate(local_rank: int = 0) -> PlatformInfo:
 
 def describe_patches() -> list[Patch]:
     """Every patch of the CPU layer (importing them registers them; nothing is applied)."""
-    from megatron_sao.platform import cpu_megatron, cpu_torch  # noqa: F401
+    from megatron_sao.platform_layer import cpu_megatron, cpu_torch  # noqa: F401
 
     return list(PATCHES)
 

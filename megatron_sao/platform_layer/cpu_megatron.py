@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from megatron_sao.platform.registry import NO_TE, register
+from megatron_sao.platform_layer.registry import NO_TE, register
 
 
 @register(

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_sao.platform.registry import register
+from megatron_sao.platform_layer.registry import register
 
 CPU = torch.device("cpu")
 
