@@ -133,6 +133,7 @@ def _step_per_layout(hf_dir: str, trajectories, layouts: dict, recompute: str = 
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_replay_updates_the_same_at_every_layout_and_under_recompute(tiny_hf_dir) -> None:
     hf_dir = str(tiny_hf_dir("qwen3_moe"))
     trajectories, _ = engine_trajectories(hf_dir, noise=NOISE)

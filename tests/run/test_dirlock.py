@@ -37,6 +37,7 @@ def first_pid() -> int:
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_a_second_run_on_a_run_dir_in_use_is_refused_and_the_first_finishes(tiny_hf_dir: Any, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     model = tiny_hf_dir("qwen3_moe")

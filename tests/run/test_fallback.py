@@ -19,6 +19,7 @@ def _data_file(ckpt: Path) -> Path:
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_a_run_falls_back_from_a_damaged_checkpoint_and_loses_nothing(tiny_hf_dir: Any, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     hf_dir = tiny_hf_dir("qwen3_moe")

@@ -36,6 +36,7 @@ def _steps(run_dir: Path) -> int:
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_a_full_run_dir_is_named_leaves_whole_files_and_the_rerun_passes_the_ledger(
     tiny_hf_dir: Any, tmp_path: Path, small_disk: Path
 ) -> None:

@@ -102,6 +102,7 @@ def test_the_rollout_worker_writes_its_own_metrics(run_dir: Path) -> None:
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_a_ppo_clip_run_writes_only_listed_keys(tiny_hf_dir: Any, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     cmd = _cmd(tiny_hf_dir("qwen3_moe"), run_dir, *ARMS["grpo"], "--algo.grpo.policy_loss", "ppo_clip",

@@ -23,8 +23,11 @@ def _steps(run_dir: Path) -> list[dict[str, Any]]:
 
 
 @pytest.mark.multiproc
-# SIGTERM mid-run, checkpoint and resume is also in tests/chaos/test_chaos.py's default-tier seed
-@pytest.mark.parametrize("how", [pytest.param("sigterm", marks=pytest.mark.slow), "stop_file"])
+# slow tier; the default tier covers both paths elsewhere: SIGTERM mid-run, checkpoint and resume in
+# tests/chaos/test_chaos.py's seed, the STOP file (checkpoint and stop) in tests/run/test_errors.py
+@pytest.mark.parametrize(
+    "how", [pytest.param("sigterm", marks=pytest.mark.slow), pytest.param("stop_file", marks=pytest.mark.slow)]
+)
 def test_a_stopped_run_checkpoints_and_resumes(tiny_hf_dir: Any, tmp_path: Path, how: str) -> None:
     run_dir = tmp_path / "run"
     cmd = _cmd(tiny_hf_dir("qwen3_moe"), run_dir, "--learner.max_steps", "500")

@@ -94,7 +94,7 @@ def _push(hf_dir: str, layout: dict[str, int], full_url: str, agent_urls: list[s
 
 @pytest.mark.parametrize(
     ("handover", "layout"),
-    [("direct", {"tensor": 2}),
+    [pytest.param("direct", {"tensor": 2}, marks=pytest.mark.slow),  # the local run through an agent is direct
      ("hf", {"tensor": 1}),
      pytest.param("direct", {"tensor": 2, "expert": 2, "pipeline": 2}, marks=pytest.mark.slow),
      pytest.param("hf", {"tensor": 2, "expert": 2, "pipeline": 2}, marks=pytest.mark.slow)],

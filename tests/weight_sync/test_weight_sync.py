@@ -101,7 +101,7 @@ def _train_push_compare(hf_dir: str, layout: dict[str, int], urls: list[str], po
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", [{"tensor": 2, "pipeline": 2},
+@pytest.mark.parametrize("layout", [pytest.param({"tensor": 2, "pipeline": 2}, marks=pytest.mark.slow),  # as below
                                     pytest.param({"expert": 2, "pipeline": 2}, marks=pytest.mark.slow)],
                          ids=["tp2pp2", "ep2pp2"])  # fmt: skip
 def test_four_rank_learner_pushes_each_stage_to_two_engines_and_logprobs_match(
