@@ -421,6 +421,9 @@ def test_pause_in_place_is_refused_for_sglang_that_can_only_abort() -> None:
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # 15-75 s: under spawn_ranks the survivor is freed ~55 s after the kill in some runs (not yet
+# understood; run as a plain script it is freed at once). Default-tier cover: test_a_push_cut_at_any_bucket_*,
+# tests/weight_sync/test_engine_set.py's failure handling, tests/weight_sync/test_agent.py's agent killed mid-push.
 def test_an_engine_killed_mid_push_fails_the_push_and_the_next_goes_to_the_others(
     start_engine: Any, tiny_hf_dir: Any
 ) -> None:
