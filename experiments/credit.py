@@ -36,7 +36,7 @@ With --seeds 3 (the pilot) the script also prints the seeds each comparison need
 
     python experiments/credit.py               # 8 arms x 3 seeds x 12000 tokens (the pilot), ~3 h on 2 CPUs
     python experiments/credit.py --seeds 8     # the full run the pilot sized
-    python experiments/credit.py --quick       # 1 seed x 1500 tokens x 3 arms, 16 eval prompts: the pipeline
+    python experiments/credit.py --quick       # 1 seed x 6000 tokens x 3 arms, 16 eval prompts: the pipeline
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ CRITERIA = (  # name, arm a, arm b, the margin the interval must clear, the effe
     ("H1", "sao", "running_mean", 0.0, 0.04),
     ("H2", "sao", "grpo", -0.03, 0.03),
 )
-QUICK = {"seeds": 1, "tokens": 1500, "tool_latency": 0.05, "pretrain_samples": 16, "eval_prompts": 16,
+QUICK = {"seeds": 1, "tokens": 6000, "tool_latency": 0.05, "pretrain_samples": 16, "eval_prompts": 16,
          "arms": "running_mean,oracle_td,sao"}  # fmt: skip
 
 
