@@ -543,10 +543,12 @@ class Learner:
 
 
 def _turn_states(t: Trajectory) -> list[str]:
-    """The states the environment named for a trajectory's turns (metadata turn_states), one per turn."""
-    states = t.header.metadata.get("turn_states")
-    if not isinstance(states, list) or len(states) != len(t.header.turns):
+    """The states the environment named for a trajectory's turns (metadata turn_states: one per turn, comma-separated,
+    since metadata values are scalars)."""
+    named = t.header.metadata.get("turn_states")
+    states = named.split(",") if isinstance(named, str) and named else None
+    if states is None or len(states) != len(t.header.turns):
         raise ValueError(f"algo.name=oracle_value needs each trajectory's metadata turn_states, one state per turn; "
-                         f"trajectory {t.trajectory_id} has {states!r} for {len(t.header.turns)} turns: use an "
+                         f"trajectory {t.trajectory_id} has {named!r} for {len(t.header.turns)} turns: use an "
                          "environment that names them (key_chain with hops: fixed and decoys: true)")  # fmt: skip
-    return [str(s) for s in states]
+    return states

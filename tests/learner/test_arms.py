@@ -128,7 +128,7 @@ def _oracle_value(hf_dir: str) -> dict[str, Any]:
     learner = _learner(hf_dir, "oracle_value")
     batch = on_policy(make_batch(2, seed=8), hf_dir)
     for t in batch:  # reward 0 from states of value 0: every turn's advantage is 0, nothing moves
-        states = [f"{len(t.header.turns) - j}c" for j in range(len(t.header.turns))]
+        states = ",".join(f"{len(t.header.turns) - j}c" for j in range(len(t.header.turns)))
         t.header = type(t.header)(**{**_fields(t.header), "reward": 0.0,
                                      "metadata": {**t.header.metadata, "turn_states": states}})  # fmt: skip
     before = _params(learner.policy.model)

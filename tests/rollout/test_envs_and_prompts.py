@@ -231,7 +231,7 @@ def test_key_chain_with_decoys_runs_every_episode_to_the_same_length_and_pays_on
         key = play(right)[0][-1].removeprefix("<tool_response>").removesuffix("</tool_response>")
     _, ep = play([*right, f"<answer>{key}</answer>"])
     assert ep.reward() == 1.0 and ep.metadata["decoy_at"] == 0 and ep.metadata["lookups"] == 4
-    assert ep.metadata["turn_states"] == ["5c", "4c", "3c", "2c", "1c"]  # turns left, on the chain
+    assert ep.metadata["turn_states"] == "5c,4c,3c,2c,1c"  # turns left, on the chain
     # a wrong second key: a capitalised decoy that runs on for the chain's length, then a wrong number
     turns = right[:1] + ["<tool_call>zz</tool_call>"]
     for _ in range(2):
@@ -242,7 +242,12 @@ def test_key_chain_with_decoys_runs_every_episode_to_the_same_length_and_pays_on
     assert number.isdigit() and int(number) != rec["answer"]
     _, ep = play([*turns, f"<answer>{number}</answer>"])
     assert ep.reward() == 0.0 and ep.metadata["decoy_at"] == 2 and ep.metadata["lookups"] == 4
-    assert ep.metadata["turn_states"] == ["5c", "4c", "3d", "2d", "1d"]  # the decoy in sight from the third turn
+    assert ep.metadata["turn_states"] == "5c,4c,3d,2d,1d"  # the decoy in sight from the third turn
+    import msgspec
+
+    from megatron_sao.bus.schema import MetadataValue
+
+    msgspec.convert(ep.metadata, dict[str, MetadataValue])  # what the bus's header takes (a list was refused)
     assert play(turns)[0] == play(turns)[0]  # the decoy is the prompt's own: the same every time
     # the demonstrator at a per-turn mistake rate: every episode 4 lookups and an answer; success (1 - m)^5
     rng, lengths, solved = random.Random(2), Counter(), []

@@ -23,7 +23,8 @@ keys (capitals) that run on to the end and yield a wrong number. Every episode t
 lookups, one answer) whatever it got wrong, so its outcome cannot correlate with its length or staleness, and the
 one turn that went wrong is what decides it: a baseline of the prompt has nothing to explain, a value of the state
 (turns left, on a decoy or not) everything. The metadata records the lookup that left the chain (`decoy_at`) and the
-state each turn acted in (`turn_states`, e.g. "3c": three turns left, on the chain; what algo.name=oracle_value reads).
+state each turn acted in (`turn_states`, comma-separated, e.g. "3c": three turns left, on the chain; what
+algo.name=oracle_value reads).
 """
 
 from __future__ import annotations
@@ -104,9 +105,9 @@ class KeyChainEpisode(Episode):
         self.metadata["lookups"] = self.lookups
         if self.decoys:  # the state each turn acted in: turns left, and whether a decoy was in sight
             self.metadata["decoy_at"] = self.decoy_at
-            self.metadata["turn_states"] = [
+            self.metadata["turn_states"] = ",".join(  # metadata values are scalars (the bus's header schema)
                 f"{max(self.hops + 1 - t, 0)}{'d' if 0 < self.decoy_at <= t else 'c'}" for t in range(self.turns)
-            ]
+            )
         self.metadata["success"] = self.final == self.answer  # reward/success_rate in the learner's metrics
         return 1.0 if self.metadata["success"] else 0.0
 
