@@ -91,6 +91,8 @@ CRITERIA = (  # name, arm a, arm b, the margin the interval must clear, the effe
     ("H1", "sao", "running_mean", 0.0, 0.04),
     ("H2", "sao", "grpo", -0.03, 0.03),
 )
+MIN_SEEDS = 3
+"""A criterion gets a verdict only from at least this many paired seeds (the pilot)."""
 QUICK = {"seeds": 1, "tokens": 6000, "tool_latency": 0.05, "pretrain_samples": 16, "eval_prompts": 16,
          "arms": "running_mean,oracle_td,sao"}  # fmt: skip
 
@@ -141,10 +143,14 @@ def criteria(by_arm: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
             continue
         diff = paired_bootstrap([x for x, _ in both], [y for _, y in both])
         need = seeds_needed([x - y for x, y in both], effect) if len(both) >= 2 else None
-        holds = diff.low > margin and (name != "GATE" or diff.mean >= effect)
+        # no verdict from fewer seeds than the pilot's: one or two seeds' interval is no interval
+        holds = None if diff.n < MIN_SEEDS else diff.low > margin and (name != "GATE" or diff.mean >= effect)
         out.append({"name": name, "a": a, "b": b, "margin": margin, "effect": effect, "mean": diff.mean,
                     "low": diff.low, "high": diff.high, "n": diff.n, "holds": holds, "seeds_needed": need})  # fmt: skip
     return out
+
+
+VERDICT = {True: "holds", False: "does not hold", None: f"no verdict (fewer than {MIN_SEEDS} seeds)"}
 
 
 def verdict(found: list[dict[str, Any]]) -> str:
@@ -156,8 +162,8 @@ def verdict(found: list[dict[str, Any]]) -> str:
             f"interval above {c['margin']:+.2f}"  # fmt: skip
         lines.append(f"- **{c['name']}** `{c['a']}` - `{c['b']}` = {c['mean']:+.3f} [{c['low']:+.3f}, "
                      f"{c['high']:+.3f}] over {c['n']} paired seeds ({clause}): "
-                     f"**{'holds' if c['holds'] else 'does not hold'}**{need}")  # fmt: skip
-    if gate is not None and not gate["holds"]:
+                     f"**{VERDICT[c['holds']]}**{need}")  # fmt: skip
+    if gate is not None and gate["holds"] is False:
         lines.append("- The gate does not hold: at this scale the task leaves a critic no measurable room, so H1 and "
                      "H2 are not tested on it (their numbers above are shown, not claimed).")  # fmt: skip
     return "\n".join(lines)

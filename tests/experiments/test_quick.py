@@ -134,5 +134,6 @@ def test_credit_quick(tmp_path: Path) -> None:
         assert 0.0 <= seed["held_out"] <= 1.0 and 0.0 <= seed["held_out_greedy"] <= 1.0  # the checkpoint evaluated
         assert seed["stale_max"] <= 4  # rollout admission: within bus.max_staleness
     assert [c["name"] for c in data["criteria"]] == ["GATE", "H1"]  # grpo not in the quick arms: no H2
+    assert all(c["holds"] is None for c in data["criteria"])  # one seed: no verdict
     section = _section(results, "credit_quick")
     assert "**GATE**" in section and section.count("\n| `") == 3
