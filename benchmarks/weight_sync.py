@@ -34,8 +34,15 @@ the agent pauses it in place for the handover, as it must an SGLang engine, whic
 tensors whole and only the rank's experts: `plan` gives those bytes) and `engine stall / push X` for each path, as
 the engine counts it (paused + commit over the push's wall time).
 
+Then (`--part delta`, or all) pushes of only what changed (weight_sync.delta): a bf16 model (HF dtype bf16, fp32
+master weights), real SAO policy steps on synthetic on-policy batches at each `--delta-lrs` (the paper's 1e-6, the
+tiny_agentic example's 5e-4), after every step the same weights pushed whole to one embedded engine and as deltas to
+another (order alternating). Prints per lr the change density (bf16 elements changed per push, from the sender's
+comparison), `bytes per push delta/full X` and `push time delta/full X`, medians over the steps after the first
+(which goes whole), and the sources' bases (the memory deltas cost).
+
     python benchmarks/weight_sync.py [--hidden 512 --layers 8 --experts 8 --vocab 16384 --bucket-mb 32 --repeats 5]
-                                     [--part all|pp|tp2|agent]
+                                     [--part all|pp|tp2|agent|delta] [--delta-lrs 1e-6,5e-4 --delta-steps 6]
 """
 
 from __future__ import annotations
@@ -448,6 +455,103 @@ def agent_path(hf_dir: str, work: Path, args: argparse.Namespace, results: dict[
               f"(runs {', '.join(f'{x:.2f}' for x in held)})")  # fmt: skip
 
 
+def _delta_rank(hf_dir: str, urls: dict[str, str], port: int, lr: float, args: dict[str, Any]) -> dict[str, Any]:
+    """One learner rank at policy lr `lr`: after each policy step, the same weights pushed whole and as deltas."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_sao.config import load_config
+    from megatron_sao.distributed import destroy_distributed, init_distributed
+    from megatron_sao.learner.learner import Learner
+    from megatron_sao.learner.synthetic import make_batch
+    from megatron_sao.weight_sync import WeightSync, hf_dtype_of
+
+    torch.set_num_threads(1)
+    cfg = load_config(None, [
+        "--model.hf_path", hf_dir, "--model.dtype", "fp32", "--launch.nproc_per_node", "1",
+        "--learner.max_tokens_per_microbatch", "256", "--learner.policy.lr", str(lr),
+        "--learner.policy.warmup_steps", "0", "--learner.value.lr", str(5 * lr),
+        "--weight_sync.bucket_mb", str(args["bucket_mb"]), "--weight_sync.verify", "none",
+    ])  # fmt: skip
+    ctx = init_distributed(cfg.parallel, seed=0)
+    learner = Learner(cfg, layout=ctx)
+    learner.load_hf(hf_dir)
+    reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    dtype_of = hf_dtype_of(learner.hf_source, torch.float32)
+    syncs = {}
+    for i, key in enumerate(("full", "delta")):
+        ws = cfg.weight_sync.model_copy(update={"delta": key, "master_port": port + 50 * i,
+                                                "group_name": f"bench_{key}"})  # fmt: skip
+        syncs[key] = WeightSync(learner.policy.model, learner.spec, dtype_of, ws, [urls[key]], layout=ctx)
+        syncs[key].pushes = 1000 * i  # two pushers in one learner: their push orders' keys differ
+    out: dict[str, list[float]] = {k: [] for k in ("full_s", "delta_s", "full_bytes", "delta_bytes", "density",
+                                                   "fp32_changed", "base_mb")}  # fmt: skip
+    vocab = int(reference.config.vocab_size)
+    for step in range(args["steps"] + 1):
+        if step:  # the first push of each path carries the launch weights: the delta path's goes whole
+            batch = make_batch(8, seed=step, vocab=vocab)
+            with torch.no_grad():  # on-policy log-probs (the initial model's): DIS keeps the tokens
+                for t in batch:
+                    toks = torch.from_numpy(t.tokens.astype("int64")).view(1, -1)
+                    logp = torch.log_softmax(reference(toks).logits[0, :-1], -1).gather(1, toks[0, 1:].view(-1, 1))
+                    t.rollout_logprobs[1:] = (logp.view(-1).numpy() * t.action_mask[1:]).astype("float32")
+            before = [p.detach().clone() for p in learner.policy.model.parameters()]
+            learner.train_step(batch)
+            moved = sum(int((p.detach() != b).sum()) for p, b in zip(learner.policy.model.parameters(), before))
+            out["fp32_changed"].append(moved / sum(b.numel() for b in before))
+        order = ("full", "delta") if step % 2 else ("delta", "full")
+        for key in order:
+            t0 = time.monotonic()
+            metrics = syncs[key].push(step + 1)
+            seconds = time.monotonic() - t0
+            if metrics.get("sync/failed"):
+                raise SystemExit(f"{key} push failed: {metrics}")
+            if step:
+                out[f"{key}_s"].append(seconds)
+                out[f"{key}_bytes"].append(metrics["sync/bytes"])
+                if key == "delta":
+                    out["density"].append(metrics["sync/delta_density"])
+                    out["base_mb"].append(metrics["sync/delta_base_mb"])
+    for sync in syncs.values():
+        sync.close()
+    destroy_distributed()
+    return out
+
+
+def delta_path(work: Path, args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """Whole pushes against delta pushes of the same weights after real policy steps, per learning rate."""
+    from megatron_sao.distributed import spawn_ranks
+    from megatron_sao.models.tiny import make_tiny_model
+
+    hf_dir = str(make_tiny_model(args.family, work / "model_bf16", layers=args.layers, hidden=args.hidden,
+                                 experts=args.experts, vocab_size=args.vocab, dtype="bf16"))  # fmt: skip
+    engines = {k: _start_engine(hf_dir, work, f"delta_{k}") for k in ("full", "delta")}
+    try:
+        for k, (proc, url) in engines.items():
+            _wait_healthy(proc, url, work / f"delta_{k}.log")
+        urls = {k: url for k, (_, url) in engines.items()}
+        opts = {"bucket_mb": args.bucket_mb, "steps": args.delta_steps}
+        for lr in (float(x) for x in args.delta_lrs.split(",")):
+            (out,) = spawn_ranks(_delta_rank, 1, hf_dir, urls, find_port(), lr, opts, timeout_s=3000)
+            results[f"delta_lr={lr:g}"] = out
+            med = {k: statistics.median(v) for k, v in out.items() if v}
+            ratios = [d / f for d, f in zip(out["delta_bytes"], out["full_bytes"])]
+            times = [d / f for d, f in zip(out["delta_s"], out["full_s"])]
+            print(f"policy lr {lr:g}, {args.delta_steps} policy steps, a push after each (medians; the first push "
+                  f"of each path not counted): bf16 elements changed per push {med['density']:.4f} (fp32 master "
+                  f"weights: {med['fp32_changed']:.3f}); full push {med['full_bytes'] / 2**20:.1f} MB in "
+                  f"{med['full_s']:.3f} s, delta push {med['delta_bytes'] / 2**20:.2f} MB in {med['delta_s']:.3f} s; "
+                  f"the source's bases {med['base_mb']:.1f} MB")  # fmt: skip
+            print(f"  bytes per push delta/full {statistics.median(ratios):.4f} "
+                  f"(runs {', '.join(f'{x:.4f}' for x in ratios)})")  # fmt: skip
+            print(
+                f"  push time delta/full {statistics.median(times):.2f} (runs {', '.join(f'{x:.2f}' for x in times)})"
+            )
+    finally:
+        for proc, _ in engines.values():
+            proc.kill()
+            proc.wait()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", default="qwen3_moe")
@@ -461,11 +565,13 @@ def main() -> None:
     p.add_argument("--json", default=None, help="write the results here too")
     p.add_argument(
         "--part",
-        choices=("all", "pp", "tp2", "agent"),
+        choices=("all", "pp", "tp2", "agent", "delta"),
         default="all",
         help="pp: the push vs raw broadcast at PP=1/2; tp2: shard-aware vs full into TP=2 engines; agent: full "
-        "pushes paused in place vs pushes through a push agent",
+        "pushes paused in place vs pushes through a push agent; delta: whole pushes vs deltas after policy steps",
     )
+    p.add_argument("--delta-lrs", default="1e-6,5e-4", help="policy learning rates of --part delta")
+    p.add_argument("--delta-steps", type=int, default=6, help="policy steps (pushes measured) per learning rate")
     args = p.parse_args()
 
     from megatron_sao.distributed import spawn_ranks
@@ -484,10 +590,13 @@ def main() -> None:
                                "--threads", "1"], stdout=log, stderr=subprocess.STDOUT, env=env)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     results: dict[str, Any] = {"model_mb": size_mb, "bucket_mb": args.bucket_mb, "repeats": args.repeats}
-    if args.part in ("tp2", "agent"):
+    if args.part in ("tp2", "agent", "delta"):
         engine.kill()
         engine.wait()
-        (shard_aware if args.part == "tp2" else agent_path)(hf_dir, work, args, results)
+        if args.part == "delta":
+            delta_path(work, args, results)
+        else:
+            (shard_aware if args.part == "tp2" else agent_path)(hf_dir, work, args, results)
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1, default=str))
         return
@@ -545,6 +654,7 @@ def main() -> None:
     if args.part == "all":
         shard_aware(hf_dir, work, args, results)
         agent_path(hf_dir, work, args, results)
+        delta_path(work, args, results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
 

@@ -216,7 +216,7 @@ def project(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     hf = read_hf_config(cfg, args.config, None)
     arch = Architecture.from_spec(ModelSpec(family=detect_family(hf, cfg.model.family), hf=hf, dtype=cfg.model.dtype))
-    plan = make_plan(cfg, hf, Hardware(nodes=args.nodes, engine_gpu_mem_gb=args.engine_gpu_mem_gb))
+    plan = make_plan(cfg, hf, Hardware(nodes=args.nodes, engine_gpu_mem_gb=args.engine_gpu_mem_gb), args.delta_density)
     if not plan.fits:
         print("the config does not fit (python -m megatron_sao plan): " + "; ".join(m.message for m in plan.misfits))
         return 1
@@ -324,10 +324,12 @@ def main() -> int:
     j.add_argument("--from", dest="source", default=str(REPO / "docs/results/pipeline_efficiency.json"))
     j.add_argument(
         "--push",
-        choices=("config", "full", "sharded", "agent"),
+        choices=("config", "full", "sharded", "agent", "sharded+delta", "agent+delta"),
         default="config",
         help="the push path (plan's table): the one the config's engines take, or another",
     )
+    j.add_argument("--delta-density", type=float, default=None, help="engine-dtype units changed per push on the "
+                   "+delta paths (default: measured at the paper's lr 1e-6: bf16 0.0114, FP8 0.0017)")  # fmt: skip
     j.add_argument("--out", default=None)
     args, overrides = p.parse_known_args()
     args.overrides = overrides

@@ -78,6 +78,15 @@ class WeightSyncConfig(Section):
     agent_part_mb: float = Field(default=512, gt=0)
     """Bytes per engine rank in one handover call of an agent (on GPUs, the device copy it lends at a time)."""
 
+    delta: Literal["full", "delta", "auto"] = "full"
+    """Push only what changed (docs/weight_sync.md, "Deltas"). full: every bucket whole. delta: each stage source keeps
+    what it last sent (a copy of its stage in the engines' dtype: `plan` counts it) and sends each bucket as the
+    smallest of its changes and its bytes, against the version every engine reports holding as its base, whole to
+    any engine that lacks it; every engine must take deltas (the embedded engine, or SGLang through a push agent:
+    weight_sync.agent), and each keeps the same copy on its host. auto: delta where every engine takes them, else
+    full. Pays at the paper's learning rates (1e-6: ~1% of bf16 elements change per step); at the CPU examples' (3e-3,
+    5e-4) most of every bucket changes and buckets go whole."""
+
     connect_timeout_s: float = Field(default=300.0, gt=0)
     """Forming one stage's update group (every engine rank joins)."""
 
@@ -97,6 +106,11 @@ class WeightSyncConfig(Section):
                 f"({self.bucket_timeout_s:g}) + {GROUP_TIMEOUT_MARGIN_S:g}: a failed bucket is detected at "
                 "bucket_timeout_s and its group aborted then, before the collective timeout would end the learner; "
                 "raise group_timeout_s or lower bucket_timeout_s"
+            )
+        if self.delta == "delta" and self.load_format == "per_tensor":
+            raise ValueError(
+                "weight_sync.delta='delta' sends each bucket as one flat buffer of its changes, but "
+                "weight_sync.load_format='per_tensor' asks for one broadcast per tensor; set one of them to 'auto'"
             )
         if self.transfer == "sharded" and self.load_format == "per_tensor":
             raise ValueError(

@@ -312,10 +312,12 @@ class SGLangClient:
         weight_version: int | str | None = None,
         flush_cache: bool = True,
         load_format: str | None = None,
+        delta: P.DeltaHeader | None = None,
         timeout_s: float | None = None,
     ) -> dict[str, Any]:
         """One update: the engine receives `names` from the group's rank 0 (one broadcast per tensor, or one for the
-        whole bucket with load_format="flattened_bucket", SGLang >= 0.5.6) and loads them."""
+        whole bucket with load_format="flattened_bucket", SGLang >= 0.5.6) and loads them. `delta`: the bucket
+        travels as a delta and/or is kept as the next one's base (engines whose protocol takes deltas only)."""
         body: dict[str, Any] = {
             "names": names,
             "dtypes": dtypes,
@@ -326,6 +328,8 @@ class SGLangClient:
         }
         if load_format is not None:  # the field exists from 0.5.6 on; older servers never get it
             body["load_format"] = load_format
+        if delta is not None:
+            body[P.DELTA] = delta.to_json()
         return self.request("POST", P.UPDATE_WEIGHTS_FROM_DISTRIBUTED, body, timeout_s=timeout_s)
 
     def update_weights_from_tensor(

@@ -58,6 +58,73 @@ rank receives from the group's rank 0, broadcast over its block group (the ranks
 `block_groups` at /init_weights_update_group), one flattened bucket of only what it holds: its block of every tensor
 /weight_shards lists, every other tensor whole. SGLang's ranks each receive the full broadcast."""
 
+DELTA = "delta"
+"""The embedded engine's and the push agent's own field of /update_weights_from_distributed (no SGLang release has
+one; `DeltaHeader` is its schema): the bucket travels as a delta against what the same channel carried at the last
+push both ends kept (distributed/delta.py), and/or what arrives is kept as the base of the next one."""
+
+
+@dataclass(frozen=True)
+class DeltaPart:
+    """How one block part's bytes travel (a full-tensor bucket has one part; a sharded one one per block group):
+    `encoding` of `count` changed units of `unit` bytes; `digest`: of the full bytes once decoded (distributed/
+    delta.digest), checked by the receiver; empty for "full"."""
+
+    encoding: str
+    count: int = 0
+    unit: int = 1
+    digest: str = ""
+
+
+@dataclass(frozen=True)
+class DeltaHeader:
+    """The `delta` field. `keep`: keep what this update results in as the base of this bucket's next delta (made
+    the engine's base when its session commits). `base`: the weight version the bytes on the wire are a delta against
+    (None: the full bucket); `parts[i]`: block part i's encoding (distributed/delta.py)."""
+
+    keep: bool = True
+    base: int | None = None
+    parts: tuple[DeltaPart, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"keep": self.keep, "base": self.base,
+                "parts": [[p.encoding, p.count, p.unit, p.digest] for p in self.parts]}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, raw: Any) -> DeltaHeader:
+        """Parse the field; ValueError naming what is wrong (before anything is received)."""
+        if not isinstance(raw, dict) or set(raw) - {"keep", "base", "parts"}:
+            raise ValueError(f"delta must be an object with keep, base and parts, got {raw!r}")
+        base = raw.get("base")
+        if base is not None and (not isinstance(base, int) or isinstance(base, bool) or base < 0):
+            raise ValueError(f"delta.base must be a weight version (an integer >= 0) or null, got {base!r}")
+        parts = []
+        for p in raw.get("parts") or []:
+            if not (isinstance(p, list) and len(p) == 4 and p[0] in ("sparse", "bitmap", "full")
+                    and all(isinstance(x, int) and not isinstance(x, bool) for x in p[1:3]) and p[1] >= 0
+                    and p[2] in (1, 2, 4, 8) and isinstance(p[3], str)):  # fmt: skip
+                raise ValueError(f"delta.parts entry {p!r}: expected [encoding, count, unit, digest] with encoding "
+                                 "sparse|bitmap|full, count >= 0, unit 1|2|4|8")  # fmt: skip
+            if p[0] != "full" and not p[3]:
+                raise ValueError(f"delta.parts entry {p!r}: a {p[0]} part needs the digest of its decoded bytes")
+            parts.append(DeltaPart(p[0], p[1], p[2], p[3]))
+        if base is not None and not parts:
+            raise ValueError("delta.base is set but delta.parts is empty: say how each block part travels")
+        return cls(bool(raw.get("keep", True)), base, tuple(parts))
+
+    def part(self, index: int) -> DeltaPart:
+        """Block part `index`'s encoding (the full bucket when no base is given)."""
+        if self.base is None:
+            return DeltaPart("full")
+        if not 0 <= index < len(self.parts):
+            raise ValueError(f"delta.parts has {len(self.parts)} entries; this rank receives block part {index}")
+        return self.parts[index]
+
+
+DELTA_BASE_INFO = "weight_delta_base"
+"""/server_info's key (engines that take deltas): the weight version of the bases this engine keeps, or null (none:
+a first push, a restart, or a push that kept none); the learner sends a delta only against it."""
+
 SAMPLING_PARAM_FIELDS = (
     "max_new_tokens",
     "temperature",
@@ -338,6 +405,13 @@ class ServerProtocol:
         """Takes load_format="sharded_bucket" (each rank its own slices): the embedded engine, where flattened
         buckets exist; a real SGLang server never (docs/weight_sync.md "Shard-aware pushes")."""
         return (self.embedded or self.agent) and self.flattened_bucket
+
+    @property
+    def deltas(self) -> bool:
+        """Takes the `delta` field (weight deltas against a kept base, distributed/delta.py): the embedded engine
+        and the push agent, with sessions (a base is made at a session's commit); a real SGLang server never -- it
+        takes deltas through an agent, which hands each rank its full slice."""
+        return (self.embedded or self.agent) and self.session
 
     @property
     def routed_experts(self) -> bool:

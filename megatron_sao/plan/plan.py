@@ -37,6 +37,11 @@ H2D_GB_S = 25.0
 with several GPUs of a node copying at once): the push agent's handover moves each rank's slice over it."""
 HANDOVER_CALLS = 4
 """Per push and engine, the push agent's calls around its handover: pause, begin, end, continue."""
+DELTA_DENSITY = {2: 0.0114, 1: 0.0017}
+"""Share of engine-dtype units that change per push at the paper's policy lr (1e-6), by unit (bf16: 2 bytes, FP8: 1),
+measured by benchmarks/delta_density.py (docs/weight_sync.md, "How much of a push changes"): the default of
+--delta-density."""
+
 FIELD = re.compile(r"\b((?:launch|rollout|parallel|learner|model|weight_sync|bus|algo)\.[a-z_]+(?:\.[a-z_]+)*)")
 
 
@@ -54,6 +59,8 @@ class Hardware:
     engine_hbm_tb_s: float | None = None
     """Engine GPUs' HBM bandwidth, TB/s (None: an H200's 4.8 when engine GPUs have more than 80 GB, else an
     H100's 3.35)."""
+    host_mem_gb: float = 2048.0
+    """Host memory of one node (an 8-GPU H100/H200 node: 2 TB): where deltas' bases live."""
 
     @property
     def engine_hbm_bytes_s(self) -> float:
@@ -119,6 +126,8 @@ class PushPath:
     waits_for_stall: bool = False
     """The learner waits for the stall after the transfer (the agent's handover; the sharded path's commit is
     counted the same way when it is shorter than the transfer)."""
+    host_bytes: float = 0.0
+    """Deltas: host memory per node for the bases (a learner node's stage source, an engine node's agents)."""
 
     @property
     def push_s(self) -> float:
@@ -138,7 +147,12 @@ class SyncPlan:
     paths: dict[str, PushPath] = field(default_factory=dict)
     taken: str = "full"
     """The path the config's engines take: SGLang's ranks take full tensors, or their slices from push agents
-    (weight_sync.agent); the embedded engine, which takes the sharded path, runs on CPU and is not planned."""
+    (weight_sync.agent), as deltas with weight_sync.delta; the embedded engine, which takes the sharded path, runs on
+    CPU and is not planned."""
+    delta_density: float = 0.0
+    """Engine-dtype units changed per push, the deltas' paths are planned at (given, or measured at the paper's lr)."""
+    delta_fraction: float = 1.0
+    """A delta's bytes over the full push's at that density (the smallest encoding: distributed/delta.py)."""
 
     @property
     def path(self) -> PushPath:
@@ -207,7 +221,8 @@ def _field(message: str, default: str) -> str:
     return m.group(1) if m else default
 
 
-def make_plan(cfg: SAOConfig, hf: dict[str, Any], hw: Hardware) -> Plan:
+def make_plan(cfg: SAOConfig, hf: dict[str, Any], hw: Hardware, delta_density: float | None = None) -> Plan:
+    """`delta_density`: engine-dtype units changed per push for the deltas' paths (default: DELTA_DENSITY)."""
     spec = ModelSpec(family=detect_family(hf, cfg.model.family), hf=hf, dtype=cfg.model.dtype,
                      max_seq_len=cfg.model.max_seq_len)  # fmt: skip
     arch = Architecture.from_spec(spec)
@@ -222,7 +237,7 @@ def make_plan(cfg: SAOConfig, hf: dict[str, Any], hw: Hardware) -> Plan:
         _plan_value_job(cfg, arch, hw, plan)
     if cfg.rollout.engine == "sglang":
         _plan_engines(cfg, arch, hw, plan)
-        _plan_sync(cfg, hw, plan)
+        _plan_sync(cfg, hw, plan, delta_density)
     else:
         plan.notes.append("rollout.engine=embedded: CPU engines, no engine GPU memory to plan")
     return plan
@@ -453,7 +468,15 @@ def _plan_engines(cfg: SAOConfig, arch: Architecture, hw: Hardware, plan: Plan) 
         )
 
 
-def _plan_sync(cfg: SAOConfig, hw: Hardware, plan: Plan) -> None:
+def delta_fraction(density: float, unit: int) -> float:
+    """A delta's bytes over the full bytes at `density` (changed units per unit), the smallest encoding."""
+    from megatron_sao.distributed.delta import sizes
+
+    units = 1 << 20
+    return min(sizes(units, round(density * units), unit).values()) / (units * unit)
+
+
+def _plan_sync(cfg: SAOConfig, hw: Hardware, plan: Plan, delta_density: float | None = None) -> None:
     """SGLang's update_weights_from_distributed hands every engine rank full tensors: each receives the whole
     model, from one source per pipeline stage, in one order; docs/weight_sync.md. Engines serving a block-FP8
     checkpoint receive its format: one byte per quantized parameter (embeddings, norms and routers stay bf16; the
@@ -507,8 +530,40 @@ def _plan_sync(cfg: SAOConfig, hw: Hardware, plan: Plan) -> None:
     plan.sync.paths["agent"] = PushPath("agent", "SGLang >= 0.5.21 + push agent", agent_rank, transfer, handover,
                                         staging_bytes=min(part, agent_rank) + bucket, relays=relays,
                                         waits_for_stall=True)  # fmt: skip
+    # deltas (weight_sync.delta) on the paths whose receivers keep a base: the embedded engine, and the agent beside
+    # SGLang (which hands the engine its full slice: the stall is the same). The source compares each bucket with its
+    # base, which lives in host memory and is copied to the GPU bucket by bucket (H2D_GB_S: the stage's bytes per
+    # push); the wire carries the delta's share, which a receiver writes into its base in place (no copy)
+    unit = 1 if fp8_engines else 2
+    density = DELTA_DENSITY[unit] if delta_density is None else delta_density
+    frac = delta_fraction(density, unit)
+    plan.sync.delta_density, plan.sync.delta_fraction = density, frac
+    nvlink = hw.nvlink_gb_s * 1e9 * LINK_EFFICIENCY
+    stage = total / pp
+    encode = stage / (H2D_GB_S * 1e9)
+    sharded = plan.sync.paths["sharded"]
+    transfer = max(rank * frac / bandwidth, total * frac / relays / bandwidth, total * frac * (relays - 1) / relays /
+                   nvlink, encode) + control  # fmt: skip
+    plan.sync.paths["sharded+delta"] = PushPath("sharded+delta", "embedded engine", rank * frac, transfer,
+                                                sharded.stall_s, staging_bytes=rank, relays=relays,
+                                                host_bytes=stage)  # fmt: skip
+    engine_node = agent_rank * hw.gpus_per_node
+    transfer = max(agent_rank * frac / bandwidth, sent * frac / relays / bandwidth, sent * frac * (relays - 1) /
+                   relays / nvlink, sent / pp / (H2D_GB_S * 1e9)) + control  # fmt: skip
+    plan.sync.paths["agent+delta"] = PushPath("agent+delta", "SGLang >= 0.5.21 + push agent", agent_rank * frac,
+                                              transfer, handover, staging_bytes=min(part, agent_rank) + bucket,
+                                              relays=relays, waits_for_stall=True,
+                                              host_bytes=max(sent / pp, engine_node))  # fmt: skip
     if cfg.weight_sync.agent:
-        plan.sync.taken = "agent"
+        plan.sync.taken = "agent+delta" if cfg.weight_sync.delta != "full" else "agent"
+    elif cfg.weight_sync.delta == "delta":
+        plan.misfits.append(Misfit("weight_sync.delta", "weight_sync.delta='delta': SGLang engines take deltas only "
+                                   "through a push agent; set weight_sync.agent true, or weight_sync.delta to auto or "
+                                   "full"))  # fmt: skip
+    if cfg.weight_sync.delta != "full" and plan.sync.path.host_bytes > hw.host_mem_gb * GB * 0.5:
+        plan.misfits.append(Misfit("weight_sync.delta", f"deltas keep {plan.sync.path.host_bytes / GB:.0f} GB of "
+                                   f"bases per node, over half of the {hw.host_mem_gb:g} GB host memory; set "
+                                   "weight_sync.delta to full, or spread the stages over more nodes"))  # fmt: skip
     # the planned engines are SGLang's, whose ranks take full tensors only (weight_sync/engines.py refuses otherwise)
     if cfg.weight_sync.transfer == "sharded" and not cfg.weight_sync.agent:
         plan.misfits.append(Misfit("weight_sync.transfer", "weight_sync.transfer='sharded': SGLang engines take only "
@@ -574,13 +629,16 @@ def render(plan: Plan, cfg: SAOConfig, hw: Hardware, title: str) -> str:
             f"(floor {s.floor_seconds:.1f} s at {hw.ib_gbps:g} Gb/s x {LINK_EFFICIENCY}); {s.update_requests:,} update "
             f"requests ({s.buckets} buckets x {s.engines} engines), {s.control_round_trips:,} HTTP round trips in all"
         )
-        table = Table(title="per push, by path (weight_sync.transfer; docs/weight_sync.md)")
+        table = Table(title=f"per push, by path (weight_sync.transfer, .agent, .delta; docs/weight_sync.md); deltas at "
+                            f"{s.delta_density:.4f} of engine-dtype units changed per push: {s.delta_fraction:.3f} "
+                            "of the bytes")  # fmt: skip
         for col in ("path", "engines", "GB per engine rank", "sending GPUs per stage", "transfer s", "engine stall s",
-                    "staging GB/GPU", ""):  # fmt: skip
+                    "push s", "staging GB/GPU", "bases GB/node (host)", ""):  # fmt: skip
             table.add_column(col, justify="right")
         for p in s.paths.values():
-            table.add_row(p.name, p.engines, f"{p.bytes_per_engine_rank / GB:.1f}", str(p.relays),
-                          f"{p.transfer_s:.2f}", f"{p.stall_s:.2f}", f"{p.staging_bytes / GB:.1f}",
+            table.add_row(p.name, p.engines, f"{p.bytes_per_engine_rank / GB:.2f}", str(p.relays),
+                          f"{p.transfer_s:.2f}", f"{p.stall_s:.2f}", f"{p.push_s:.2f}", f"{p.staging_bytes / GB:.1f}",
+                          f"{p.host_bytes / GB:.0f}" if p.host_bytes else "-",
                           "this config" if p.name == s.taken else "")  # fmt: skip
         console.print(table)
     for n in plan.notes:

@@ -1,6 +1,9 @@
 """The engines' side of a push, as learner rank 0 drives it over HTTP (owned by weight_sync/; used by sync.py):
 who takes part, what each engine's SGLang release allows, and the session around the stages' buckets.
 
+    deltas():  whether this push's buckets travel as deltas (weight_sync.delta): against the version the stage
+               sources' bases hold, when every engine reports holding it too (/server_info `weight_delta_base`);
+               else whole, kept as the next bases. Any failed push resets it: the next one goes whole.
     plan():    the engines answering /health, each with its protocol (from /server_info's version), its TP size
                (ranks in every update group) and its DP size; a new GroupSpec when that set changed or the last
                push failed (the groups are then formed again).
@@ -29,10 +32,11 @@ import torch
 
 from megatron_sao.config.weight_sync import WeightSyncConfig
 from megatron_sao.engines.client import EngineError, SGLangClient
-from megatron_sao.engines.protocol import SHARDED_BUCKET, ServerProtocol, checksum_device
+from megatron_sao.engines.protocol import DELTA_BASE_INFO, SHARDED_BUCKET, ServerProtocol, checksum_device
 from megatron_sao.weight_sync.sender import (
     FLATTENED,
     Boxes,
+    DeltaPlan,
     GroupSpec,
     Member,
     StageSender,
@@ -62,6 +66,11 @@ class StageReport:
     tensors: int = 0
     bytes: int = 0
     relayed: int = 0  # of `bytes`, what relays broadcast (a shard-aware push's block groups not rooted here)
+    full_bytes: int = 0  # what `bytes` would have been without deltas
+    delta_buckets: int = 0  # buckets that travelled as deltas
+    units: int = 0  # deltas: units compared against a base (the bucket's smallest itemsize each)
+    changed: int = 0  # of them, the ones that changed since the last push
+    base_bytes: int = 0  # the source's bases after the push (weight_sync.delta)
     seconds: float = 0.0
     order_wait_s: float = 0.0  # waiting for the bucket before each of this stage's in the push order
     peak_bytes: int = 0
@@ -91,6 +100,8 @@ class EngineSet:
         self._unverifiable: set[tuple[str, str]] = set()  # (url, tensor) shown neither way (logged once)
         self.unverified: list[tuple[str, str]] = []  # the last push's (url, sample) an engine showed neither way
         self.devices: dict[str, str] = {}  # url -> where it holds its weights: which hash its checksums use
+        self.delta_base: int | None = None  # the version the sources' bases hold (the last push that kept them)
+        self.delta: DeltaPlan | None = None  # this push's deltas
 
     # ---- membership ---------------------------------------------------------------------------------------------
     def healthy(self) -> list[str]:
@@ -153,6 +164,36 @@ class EngineSet:
         self.attempt += 1
         self.spec = self.formed = spec
         return spec, True
+
+    def deltas(self, spec: GroupSpec) -> DeltaPlan | None:
+        """This push's deltas (weight_sync.delta), or None: every bucket whole and nothing kept. A delta is sent only
+        against a version every member reports holding as its base, which is also the sources' (`delta_base`)."""
+        self.delta = None
+        if self.cfg.delta == "full":
+            return None
+        takers = spec.load_format in (FLATTENED, SHARDED_BUCKET) and all(m.protocol.deltas for m in spec.members)
+        if not takers:
+            if self.cfg.delta == "delta":
+                old = [f"{m.url} ({'SGLang ' + m.protocol.version if not m.protocol.embedded else 'embedded'})"
+                       for m in spec.members if not m.protocol.deltas]  # fmt: skip
+                why = (
+                    f"{old} take no deltas (SGLang takes them only through a push agent: weight_sync.agent)"
+                    if old
+                    else f"buckets travel {spec.load_format or 'per tensor'}, a delta needs flat buckets"
+                )
+                raise ValueError(f"weight_sync.delta='delta' but {why}; set weight_sync.delta to 'auto' or 'full'")
+            return None
+        base = self.delta_base
+        if base is not None:
+            said = self._each([self.clients[m.url] for m in spec.members], lambda c: c.server_info())
+            held = {u: (a.get(DELTA_BASE_INFO) if isinstance(a, dict) else None) for u, a in said.items()}
+            behind = {u: v for u, v in held.items() if v != base}
+            if behind:
+                log.info("weight sync: a full push (engines %s hold no base at version %d)",
+                         ", ".join(f"{u}: {v}" for u, v in behind.items()), base)  # fmt: skip
+                base = None
+        self.delta = DeltaPlan(base)
+        return self.delta
 
     def release(self, reachable: list[str] | None = None) -> None:
         """Destroy the update groups formed for an earlier push on every engine of it that still answers: SGLang
@@ -269,6 +310,8 @@ class EngineSet:
                 self.held[m.url] = version
             elif m.url in bad:
                 self.held.pop(m.url, None)
+        # the sources' bases move to this version only when it landed on every engine (sync.py settles them alike)
+        self.delta_base = version if self.delta is not None and version is not None and not bad else None
         staged = {m.url for m in spec.members if m.protocol.staged}
         hold = {u for u in bad if u in touched and (u not in staged or bad[u].startswith("verify"))}
         # only a complete push that landed lifts a quarantine: a later push that failed before touching an engine

@@ -21,6 +21,12 @@ that order landed on every engine (k of stage s-1, or k-1 of the last stage); ea
 update in flight. Stages still gather and pack at once; what they no longer do is receive at once, which an SGLang
 engine never did.
 
+Deltas (weight_sync.delta, engines that take them): every bucket is kept, per channel (its index and the blocks of
+its block group), as it was last sent -- the source's **bases**, `Bases` -- and a push whose engines all hold the
+version the bases are at sends each channel as only what changed (distributed/delta.py; the smallest of sparse,
+bitmap and full, per channel). What this push sent becomes the bases only when the push landed everywhere
+(`Bases.settle`); a push that failed leaves the old ones, and rank 0 then asks for a full push.
+
 Failure: an engine that refuses a request before receiving (SGLang: no session, a bad layout) leaves the broadcast
 with nobody to meet, and one that dies mid-bucket leaves it hanging; both are bounded by weight_sync.bucket_timeout_s,
 after which the group is marked broken and aborted (NCCL: the communicator is aborted, so torch's watchdog does not
@@ -29,6 +35,7 @@ kill the learner; gloo: the blocked work ends at the group's timeout) and the ne
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import ipaddress
 import logging
@@ -43,6 +50,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from megatron_sao.distributed import delta as deltas
 from megatron_sao.distributed import flat_bucket
 from megatron_sao.distributed.update_group import (
     abort_update_group,
@@ -52,7 +60,7 @@ from megatron_sao.distributed.update_group import (
     init_update_group,
 )
 from megatron_sao.engines.client import SGLangClient
-from megatron_sao.engines.protocol import SHARDED_BUCKET, ServerProtocol
+from megatron_sao.engines.protocol import SHARDED_BUCKET, DeltaHeader, DeltaPart, ServerProtocol
 from megatron_sao.weight_sync.plan import Bucket
 from megatron_sao.weight_sync.relay import STOP
 
@@ -63,6 +71,61 @@ FLATTENED = "flattened_bucket"
 
 class WeightSyncError(RuntimeError):
     """A push or connect that did not reach every engine; the message names the engine and what it said."""
+
+
+@dataclass(frozen=True)
+class DeltaPlan:
+    """A push's deltas, decided by rank 0: `base` the version every engine and the bases hold (None: send every
+    channel whole, and keep it as the next base)."""
+
+    base: int | None
+
+
+class Bases:
+    """One stage source's bases: per channel (bucket index, blocks key) the bytes it last sent and their fingerprint,
+    at `version`; and what this push sends, pending until the push is settled. Kept in host memory, across group
+    re-forms (a stage in the engines' dtype does not fit beside a learner GPU's training state at scale); each base
+    is copied to the send device for its bucket's comparison, one bucket at a time."""
+
+    def __init__(self) -> None:
+        self.version: int | None = None
+        self.held: dict[tuple[int, Any], tuple[torch.Tensor, deltas.Fingerprint]] = {}
+        self.pending: dict[tuple[int, Any], tuple[deltas.Encoded, torch.Tensor | None]] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t, _ in self.held.values())
+
+    def encode(self, key: tuple[int, Any], buffer: torch.Tensor, unit: int, base: int | None) -> deltas.Encoded:
+        """`buffer` as it travels (a delta against the base when `base` is this store's version), noted as pending."""
+        old = self.held.get(key) if base is not None and base == self.version else None
+        held, held_fp = old if old is not None else (None, None)
+        if held is not None and held.device != buffer.device:
+            held = held.to(buffer.device)
+        enc = deltas.encode(buffer, held, unit, held_fp)
+        # a channel sent whole is copied to the host now (its buffer is reused for the next bucket); a delta is kept
+        # as sent and written into the base when the push is settled
+        host = torch.device("cpu")
+        if enc.encoding == "full":
+            self.pending[key] = (enc, buffer.to(host, copy=True))
+        else:
+            self.pending[key] = (dataclasses.replace(enc, payload=enc.payload.to(host)), None)
+        return enc
+
+    def settle(self, version: int | None) -> None:
+        """The push landed everywhere (`version`): what it sent becomes the bases; None: it failed, drop it."""
+        pending, self.pending = self.pending, {}
+        if version is None:
+            return
+        for key, (enc, whole) in pending.items():
+            if whole is not None:
+                self.held[key] = (whole, enc.fingerprint)
+            else:
+                base = self.held[key][0]
+                deltas.apply(base, enc.encoding, enc.count, enc.unit, enc.payload)
+                self.held[key] = (base, enc.fingerprint)
+        self.held = {k: v for k, v in self.held.items() if k in pending}  # channels of an older plan go
+        self.version = version
 
 
 Boxes = Mapping[str, tuple[flat_bucket.Box | None, ...]]
@@ -118,6 +181,13 @@ class GroupSpec:
     @property
     def world(self) -> int:
         return 1 + sum(m.tp for m in self.members)
+
+    def members_key(self, rank: int) -> Any:
+        """The blocks update-group rank `rank` holds (Member.blocks_key): what names its block part across pushes."""
+        for m in self.members:
+            if m.offset <= rank < m.offset + m.tp:
+                return m.blocks_key(rank - m.offset)
+        raise ValueError(f"no member holds update-group rank {rank}")
 
     def name(self, stage: int) -> str:
         return f"{self.group_name}_pp{stage}_a{self.attempt}"
@@ -311,7 +381,16 @@ class StageSender:
         self.clients = {m.url: SGLangClient(m.url, timeout_s=spec.bucket_timeout_s) for m in spec.members}
         self.touched: set[str] = set()  # engines that got an update request this push
         self.broken = False
-        self.stats = {"buckets": 0, "tensors": 0, "bytes": 0, "relayed": 0}
+        self.stats = {
+            "buckets": 0,
+            "tensors": 0,
+            "bytes": 0,
+            "relayed": 0,
+            "full_bytes": 0,
+            "delta_buckets": 0,
+            "units": 0,
+            "changed": 0,
+        }
         self.order: PushOrder | None = None  # this push's order across stages (set by sync.py per push)
         # a shard-aware push: bytes sent to each engine rank, and (when verified) the checksums of what each got
         self.meter: Any = None  # the push's gather.MemoryMeter: the engine ranks' buffers count (set by sync.py)
@@ -322,6 +401,8 @@ class StageSender:
         self._spare: dict[int, list[torch.Tensor]] = {}
         self._spare_lock = threading.Lock()
         self._spare_limit = 0
+        self.bases: Bases | None = None  # deltas: this source's bases (set by sync.py per push), else None
+        self.delta: DeltaPlan | None = None  # this push's deltas (set by sync.py per push), else None
 
     @property
     def group_name(self) -> str:
@@ -390,10 +471,15 @@ class StageSender:
         # the engine ranks' buffers are cut before any engine is asked to receive: a table that does not fit the
         # tensors fails here, with nobody left waiting for bytes
         sends = self._rank_buffers(bucket, buffer) if fmt == SHARDED_BUCKET else []
+        held: list[torch.Tensor] = []
+        if fmt == SHARDED_BUCKET:
+            of_rank = dict(sends)
+            held = [of_rank[ranks[0]] for ranks in self.spec.block_groups or []]
+        wire, header = self._encode(bucket, held if fmt == SHARDED_BUCKET else [buffer])
         calls = {
             url: (lambda c=c: c.update_weights_from_distributed(
                 names, dtypes, shapes, group_name=self.group_name, flush_cache=False, load_format=fmt,
-                timeout_s=timeout))
+                delta=header, timeout_s=timeout))
             for url, c in self.clients.items()
         }  # fmt: skip
         self.touched.update(self.clients)
@@ -401,31 +487,53 @@ class StageSender:
         threads = [threading.Thread(target=_call, args=(box, k, fn), daemon=True) for k, fn in calls.items()]
         for t in threads:
             t.start()
-        held: list[torch.Tensor] = []
         if fmt == SHARDED_BUCKET:
-            # one broadcast per block group of the buffer its ranks share: from here for the groups this source
-            # roots, handed to its relay for the others (relay.py)
-            of_rank = dict(sends)
-            held = [of_rank[ranks[0]] for ranks in self.spec.block_groups or []]
-            works = [dist.broadcast(held[i], src=0, group=g, async_op=True) for i, g in self.blocks.items()]
-            works += [self._relay(bucket.index, relay, pair, [held[i] for i in parts])
+            # one broadcast per block group of the buffer its ranks share (or of its delta): from here for the groups
+            # this source roots, handed to its relay for the others (relay.py)
+            works = [dist.broadcast(wire[i], src=0, group=g, async_op=True) for i, g in self.blocks.items()]
+            works += [self._relay(bucket.index, relay, pair, [wire[i] for i in parts])
                       for relay, (pair, parts) in self.links.items()]  # fmt: skip
-            sent = sum(t.nbytes for t in held)
-            self._spare_limit = max(self._spare_limit, 2 * sent)
-            self.stats["relayed"] += sum(held[i].nbytes for _, parts in self.links.values() for i in parts)
+            sent = sum(t.nbytes for t in wire)
+            self._spare_limit = max(self._spare_limit, 2 * sum(t.nbytes for t in held))
+            self.stats["relayed"] += sum(wire[i].nbytes for _, parts in self.links.values() for i in parts)
+            of_part = {r: wire[i].nbytes for i, ranks in enumerate(self.spec.block_groups or []) for r in ranks}
+            for m in self.spec.members:
+                self.rank_bytes[m.url] = [n + of_part[m.offset + r] for r, n in enumerate(self.rank_bytes[m.url])]
         else:
-            tensors = [buffer] if fmt == FLATTENED else [flat_bucket.view(buffer, s) for s in bucket.slots]
+            tensors = wire if fmt == FLATTENED else [flat_bucket.view(buffer, s) for s in bucket.slots]
             works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]
-            sent = buffer.nbytes
+            sent = sum(t.nbytes for t in tensors)
             for url, per_rank in self.rank_bytes.items():
-                self.rank_bytes[url] = [n + buffer.nbytes for n in per_rank]
+                self.rank_bytes[url] = [n + sent for n in per_rank]
         self.stats["buckets"] += 1
         self.stats["tensors"] += len(names)
         self.stats["bytes"] += sent
-        pending = _PendingSend(self, bucket, threads, box, works, time.monotonic() + timeout, held)
+        self.stats["full_bytes"] += sum(t.nbytes for t in held) if fmt == SHARDED_BUCKET else buffer.nbytes
+        pending = _PendingSend(self, bucket, threads, box, works, time.monotonic() + timeout, held, wire)
         if self.order is not None and self.order.store is not None:
             threading.Thread(target=pending.publish_landing, args=(self.order,), daemon=True).start()
         return pending
+
+    def _encode(self, bucket: Bucket, parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], DeltaHeader | None]:
+        """What travels for each block part (`parts`: the full bucket, or one buffer per block group) and the
+        request's delta field: the parts themselves without deltas; with them, each part as a delta against its base
+        when the push has one (the smallest encoding), noted in the bases as pending."""
+        if self.delta is None or self.bases is None:
+            return parts, None
+        unit = deltas.bucket_unit(bucket.slots)
+        keys = [()] if len(parts) == 1 and self.spec.block_groups is None else [
+            self.spec.members_key(ranks[0]) for ranks in self.spec.block_groups or []]  # fmt: skip
+        encoded = [self.bases.encode((bucket.index, k), p, unit, self.delta.base) for k, p in zip(keys, parts)]
+        compared = [(e, p) for e, p in zip(encoded, parts) if e.encoding != "full" or e.count]  # had a base
+        self.stats["units"] += sum(p.nbytes // unit for _, p in compared)
+        self.stats["changed"] += sum(e.count for e, _ in compared)
+        if all(e.encoding == "full" for e in encoded):
+            return parts, DeltaHeader(keep=True)
+        self.stats["delta_buckets"] += 1
+        said = [deltas.fingerprint_hex(e.fingerprint) if e.encoding != "full" else "" for e in encoded]
+        parts_said = tuple(DeltaPart(e.encoding, e.count, e.unit, f) for e, f in zip(encoded, said))
+        header = DeltaHeader(keep=True, base=self.delta.base, parts=parts_said)
+        return [e.payload for e in encoded], header
 
     def _relay(self, index: int, relay: int, pair: Any, buffers: list[torch.Tensor]) -> _InThread:
         """Hand bucket `index`'s buffers to `relay` (header, then the buffers) and wait for its answer, on a thread
@@ -482,7 +590,6 @@ class StageSender:
                     made[key] = rank_buffer, sums
                 rank_buffer, sums = made[key]
                 sends.append((m.offset + r, rank_buffer))
-                self.rank_bytes[m.url][r] += rank_buffer.nbytes
                 if self.rank_checksums is not None:
                     held = self.rank_checksums.setdefault(m.url, [{} for _ in range(m.tp)])[r]
                     held.update({n: chk for n, chk in sums.items() if m.compared(r, n)})
@@ -588,11 +695,12 @@ class _PendingSend:
     works: list[Any]
     deadline: float
     buffers: list[torch.Tensor] = field(default_factory=list)  # what the works send from, until they landed
+    wire: list[torch.Tensor] = field(default_factory=list)  # deltas: what travels instead, until it landed
     grace_s: float = field(default=5.0)
 
     def release(self) -> None:
         """The works no longer read their buffers: give them back to the push's memory meter."""
-        buffers, self.buffers = self.buffers, []
+        buffers, self.buffers, self.wire = self.buffers, [], []
         if buffers and self.sender.meter is not None:
             self.sender.meter.give(*buffers)
         if buffers and not self.sender.broken:

@@ -40,7 +40,7 @@ from megatron_sao.weight_sync.engines import EngineSet, StageReport
 from megatron_sao.weight_sync.gather import MemoryMeter, StageGather, collect, hf_views, local_pieces, rank_info
 from megatron_sao.weight_sync.plan import Bucket, TransferPlan, build_plan
 from megatron_sao.weight_sync.relay import Relay, cancel_key
-from megatron_sao.weight_sync.sender import GroupSpec, Hosted, PushOrder, StageSender, WeightSyncError
+from megatron_sao.weight_sync.sender import Bases, DeltaPlan, GroupSpec, Hosted, PushOrder, StageSender, WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,8 @@ class WeightSync:
         self.peak_bytes = 0  # this rank's largest push so far (MemoryMeter)
         self.pushes = 0  # pushes begun, counted alike on every rank (names each push's order in the store)
         self.order: PushOrder | None = None  # the last push's order across stages (its keys go at the next)
+        # deltas: a stage source's bases, what it last sent per channel (weight_sync.delta; None until a push keeps)
+        self.bases: Bases | None = None
 
     @property
     def is_source(self) -> bool:
@@ -132,7 +134,8 @@ class WeightSync:
         decision: Any = None
         if self.engines is not None:
             try:
-                decision = self.engines.plan()
+                spec, reform = self.engines.plan()
+                decision = spec, reform, self.engines.deltas(spec)
             except WeightSyncError as e:
                 decision = str(e)
         decision = self._bcast(decision, 0)
@@ -140,7 +143,7 @@ class WeightSync:
             if self.rank == 0:
                 log.error("weight sync to the engines at version %d: %s", version, decision)
             return {"sync/failed": 1.0, "sync/version": float(version)}
-        spec, reform = decision
+        spec, reform, delta = decision
         phases = {"plan": time.monotonic() - t0}
         t = time.monotonic()
         if reform and not self._connect(spec):
@@ -156,7 +159,7 @@ class WeightSync:
             return self._failed(version, t0)
         phases["open"] = time.monotonic() - t
         t = time.monotonic()
-        report = self._transfer(spec)
+        report = self._transfer(spec, delta)
         if not self.is_source:
             return {}
         reports: list[Any] = [None] * len(self.plan.sources) if self.rank == 0 else []
@@ -169,6 +172,8 @@ class WeightSync:
             metrics.update({f"sync/time_{k}": v for k, v in phases.items()})
         keep = [not metrics.get("sync/failed")]
         dist.broadcast_object_list(keep, src=0, group=self.sources_group)
+        if self.bases is not None:  # what this push sent becomes the bases where it landed everywhere
+            self.bases.settle(version if keep[0] and delta is not None else None)
         if not keep[0]:
             self._drop_sender()
         return metrics
@@ -231,7 +236,7 @@ class WeightSync:
                 return False
         return True
 
-    def _transfer(self, spec: GroupSpec) -> StageReport:
+    def _transfer(self, spec: GroupSpec, delta: DeltaPlan | None) -> StageReport:
         report = StageReport(self.stage.stage)
         t0 = time.monotonic()
         self.gather.meter = MemoryMeter()
@@ -254,6 +259,11 @@ class WeightSync:
 
         sender = self.sender
         if sender is not None:
+            if delta is not None and self.bases is None:
+                self.bases = Bases()
+            if self.bases is not None:
+                self.bases.pending.clear()
+            sender.delta, sender.bases = delta, self.bases
             sender.meter = self.gather.meter
             sender.rank_checksums = {} if checksums and sharded else None
             sender.rank_bytes = {m.url: [0] * m.tp for m in spec.members}
@@ -288,8 +298,9 @@ class WeightSync:
         report.peak_bytes, report.seconds = self.gather.meter.peak, time.monotonic() - t0
         if sender is not None:
             report.touched, report.broken = sorted(sender.touched), sender.broken
-            report.buckets, report.tensors, report.bytes, report.relayed = (
-                sender.stats[k] for k in ("buckets", "tensors", "bytes", "relayed"))  # fmt: skip
+            for k, v in sender.stats.items():  # buckets, tensors, bytes, relayed, full_bytes, delta_buckets
+                setattr(report, k, v)
+            report.base_bytes = self.bases.nbytes if self.bases is not None else 0
             report.rank_bytes, report.rank_checksums = sender.rank_bytes, sender.rank_checksums or {}
             sender.touched.clear()
             sender.stats = dict.fromkeys(sender.stats, 0)
@@ -319,6 +330,11 @@ class WeightSync:
             "sync/buckets": float(sum(r.buckets for r in reports)),
             "sync/tensors": float(sum(r.tensors for r in reports)),
             "sync/bytes": float(sum(r.bytes for r in reports)),
+            "sync/bytes_full": float(sum(r.full_bytes for r in reports)),  # what the same push sent whole
+            "sync/delta_buckets": float(sum(r.delta_buckets for r in reports)),
+            # of the units compared against a base, the share that changed since the last push (the change density)
+            "sync/delta_density": sum(r.changed for r in reports) / max(1, sum(r.units for r in reports)),
+            "sync/delta_base_mb": max(r.base_bytes for r in reports) / 2**20,  # a source's bases (weight_sync.delta)
             "sync/relayed_bytes": float(sum(r.relayed for r in reports)),
             "sync/stage_seconds_max": max(r.seconds for r in reports),
             "sync/order_wait_max": max(r.order_wait_s for r in reports),

@@ -58,8 +58,8 @@ def routed_engine_url(tiny_dirs: dict[str, Path]) -> Iterator[str]:
 class EngineProc:
     """`python -m megatron_sao engine` as a child process (for SIGKILL and torch.distributed tests)."""
 
-    def __init__(self, model_dir: Path, log_path: Path, *extra: str) -> None:
-        self.port = find_free_port()
+    def __init__(self, model_dir: Path, log_path: Path, *extra: str, port: int | None = None) -> None:
+        self.port = port or find_free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         cmd = [sys.executable, "-m", "megatron_sao", "engine", "--model", str(model_dir), "--port", str(self.port)]

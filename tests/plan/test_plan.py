@@ -208,3 +208,31 @@ def test_the_agent_path_sends_dense_tensors_whole_and_each_rank_its_experts_and_
         (ROOT / "examples/qwen3_30b/hf_config.json").read_text()), Hardware(nodes=6))  # fmt: skip
     assert qwen.sync.paths["agent"].bytes_per_engine_rank == qwen.sync.paths["full"].bytes_per_engine_rank  # EP=1
     assert qwen.sync.paths["agent"].stall_s > qwen.sync.paths["full"].stall_s
+
+
+def test_the_delta_paths_carry_the_changed_share_and_pay_the_sources_base_copy() -> None:
+    """weight_sync.delta: the +delta paths carry the smallest encoding's share of each rank's bytes at the given
+    density (FP8 engines: 5 bytes a changed byte below 1/32, so 5 x density), the engines stop as long as without
+    deltas (an agent hands over full slices), and the source streams its stage's bases from host memory to the GPU
+    bucket by bucket (H2D_GB_S), which bounds the transfer from below; the bases are host memory the plan counts. With
+    the agent and weight_sync.delta the config takes agent+delta; delta without an agent does not fit, naming it."""
+    from megatron_sao.plan.plan import DELTA_DENSITY, H2D_GB_S, delta_fraction
+
+    hf = json.loads((ROOT / "examples/glm_750b/hf_config.json").read_text())
+    glm = make_plan(load_config(GLM, ["--weight_sync.agent", "true", "--weight_sync.delta", "delta"]), hf,
+                    Hardware(nodes=96, engine_gpu_mem_gb=141), delta_density=0.002)  # fmt: skip
+    s = glm.sync
+    agent, delta = s.paths["agent"], s.paths["agent+delta"]
+    assert s.taken == "agent+delta" and s.delta_density == 0.002
+    assert s.delta_fraction == pytest.approx(0.002 * 5, rel=1e-3) == delta_fraction(0.002, 1)
+    assert delta.bytes_per_engine_rank == pytest.approx(agent.bytes_per_engine_rank * s.delta_fraction)
+    assert delta.stall_s == agent.stall_s and delta.waits_for_stall
+    # each of the 8 stage sources streams at least its stage's bytes (one per FP8 parameter) from host to GPU
+    assert delta.host_bytes > glm.counts.total / 8 and delta.transfer_s > glm.counts.total / 8 / (H2D_GB_S * 1e9)
+    assert glm.fits, glm.misfits
+    default = make_plan(load_config(GLM, []), hf, Hardware(nodes=96, engine_gpu_mem_gb=141))
+    assert default.sync.delta_density == DELTA_DENSITY[1] and default.sync.taken == "full"
+    bad = make_plan(load_config(GLM, ["--weight_sync.delta", "delta"]), hf, Hardware(nodes=96, engine_gpu_mem_gb=141))
+    assert [m.field for m in bad.misfits] == ["weight_sync.delta"]
+    assert delta_fraction(0.5, 2) == pytest.approx((1 / 8 + 0.5 * 2) / 2, rel=1e-3)  # bitmap
+    assert delta_fraction(0.99, 2) == 1.0  # whole

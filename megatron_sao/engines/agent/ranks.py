@@ -55,17 +55,19 @@ class AgentReceiver(WeightUpdater):
 
     def _broadcasts(self, group: Any, dtypes: list[torch.dtype], shapes: list[list[int]],
                     slots: list[flat_bucket.Slot] | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
-        if self.device.type != "cuda":
-            return super()._broadcasts(group, dtypes, shapes, slots)
-        if slots is None:
+        if self.device.type == "cuda" and slots is None:
             raise WeightUpdateError("the push agent takes buckets (load_format 'sharded_bucket' or "
                                     "'flattened_bucket'), not one broadcast per tensor")  # fmt: skip
-        nbytes = flat_bucket.nbytes(slots)
+        return super()._broadcasts(group, dtypes, shapes, slots)
+
+    def _land(self, group: Any, nbytes: int) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return super()._land(group, nbytes)
         landing = torch.empty(nbytes, dtype=torch.uint8, device=self.device)  # NCCL receives into GPU memory
         dist.broadcast(landing, src=0, group=group)
         buffer = self._buffer(nbytes)
         buffer.copy_(landing)
-        return [flat_bucket.view(buffer, s) for s in slots], [buffer]
+        return buffer
 
     # ---- the handover -------------------------------------------------------------------------------------------
     def close(self) -> str:

@@ -102,6 +102,7 @@ class AgentState:
             "weight_update_groups": {k: dict(v, names=list(v["names"])) for k, v in r.traffic.items()},
             "weight_update_order": list(r.order[-64:]),
             "live_weight_update_groups": sorted(r.groups),
+            P.DELTA_BASE_INFO: r.delta_base,
             "tp_ranks": ranks,
         })  # fmt: skip
         return info
@@ -121,7 +122,7 @@ class AgentState:
             update = r.receive(list(body["names"]), list(body["dtypes"]), [list(s) for s in body["shapes"]],
                                str(body.get("group_name", "weight_update_group")),
                                None if version is None else str(version),
-                               load_format=body.get("load_format"))  # fmt: skip
+                               load_format=body.get("load_format"), delta=body.get(P.DELTA))  # fmt: skip
             return f"Succeeded: {len(update.tensors)} tensors received beside the engine for the session's end."
         r.release()
         update, msg = r.end()  # every rank closes its session (ranks.AgentReceiver.close on the others)

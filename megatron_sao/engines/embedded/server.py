@@ -159,6 +159,7 @@ class EngineState:
             "weight_update_groups": {k: dict(v, names=list(v["names"])) for k, v in self.updater.traffic.items()},
             "weight_update_order": list(self.updater.order[-ORDER_SHOWN:]),
             "live_weight_update_groups": sorted(self.updater.groups),  # joined and not destroyed
+            P.DELTA_BASE_INFO: self.updater.delta_base,
             "tp_ranks": self._rank_traffic() if self.tp_size > 1 else [],
         }
 
@@ -258,6 +259,7 @@ class EngineState:
             str(body.get("group_name", "weight_update_group")),
             None if version is None else str(version),
             load_format=load_format,
+            delta=body.get(P.DELTA),
         )
         staged = self.protocol.session  # staged in its session (receive refuses one discarded meanwhile)
         if not staged:

@@ -36,6 +36,14 @@ Protocol (SGLang's; the rules of the SGLang release in `ServerProtocol`, engines
   trainer and the ranks of every engine in the group that hold the same blocks (rank r of each engine at one TP
   size), named by `block_groups` at `/init_weights_update_group`. One broadcast per distinct set of blocks, not one
   send per engine rank: the trainer sends each byte once, as a full-tensor broadcast does.
+- Deltas (this engine's and the push agent's own `delta` field, engines/protocol.DeltaHeader; sessions only): a
+  flat bucket may arrive as only what changed against the **base** of that bucket -- the bytes the same request
+  (its load format and names) carried at the last push that kept one. The base is copied, the changes written in
+  (distributed/delta.py), and the result checked against the sender's digest before it is staged like any bucket;
+  a delta against a version this rank holds no base of, or one that decodes to other bytes, is received (drained)
+  and refused, which fails the session. What a `keep` update results in becomes the bucket's base when the session
+  commits (all bases then carry its version, /server_info's `weight_delta_base`); a commit that kept none drops
+  them (the engine's weights moved past them).
 """
 
 from __future__ import annotations
@@ -50,9 +58,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from megatron_sao.distributed import delta as deltas
 from megatron_sao.distributed import flat_bucket, tensor_payload
 from megatron_sao.distributed.update_group import block_group_name, destroy_update_group, init_update_group
-from megatron_sao.engines.protocol import SHARDED_BUCKET, ServerProtocol
+from megatron_sao.engines.protocol import SHARDED_BUCKET, DeltaHeader, ServerProtocol, version_to_int
 from megatron_sao.models.mapping import Target, on_disk_names, resolve_in_memory
 
 if TYPE_CHECKING:
@@ -73,7 +82,8 @@ class WeightUpdateError(ValueError):
 
 
 def _new_traffic() -> dict[str, Any]:
-    """What an update group carried (the engine's /server_info shows it): tensors, bytes, names, receives now."""
+    """What an update group carried (the engine's /server_info shows it): tensors, bytes (as they travelled: a
+    delta's, not the bucket it rebuilt), names, receives now."""
     return {"tensors": 0, "bytes": 0, "names": [], "receiving": 0}
 
 
@@ -110,6 +120,8 @@ class Session:
     last_activity: float = field(default_factory=time.monotonic)
     buffers: list[torch.Tensor] = field(default_factory=list)  # what the staged tensors live in
     receiving: int = 0  # updates announced to this session whose bytes are still arriving
+    kept: dict[tuple[str, ...], tuple[torch.Tensor, Any]] = field(default_factory=dict)  # bucket key -> its bytes
+    # and their fingerprint: the next bases
 
     def commit(self) -> ReceivedUpdate:
         staged = list(self.staged.values())
@@ -157,6 +169,12 @@ class WeightUpdater:
         # page faults on first touch, several times the copy): at most one model's worth is kept
         self._spare: dict[int, list[torch.Tensor]] = {}
         self._spare_limit = sum(t.nbytes for t in self.tensors.values())
+        # weight deltas: each bucket's bytes at the last commit that kept them (its key: load format and names)
+        self.bases: dict[tuple[str, ...], torch.Tensor] = {}
+        self.base_fps: dict[tuple[str, ...], deltas.Fingerprint] = {}
+        self.base_version: int | None = None
+        self.dirtied_by: Session | None = None  # the session that wrote deltas into the bases and has not committed
+        self.parts: dict[str, int] = {}  # group name -> the block part this rank receives (0: full buckets)
 
     # ---- the weight-control requests, one at a time (SGLang's model-update lock) ---------------------------------
     def init_group(
@@ -254,6 +272,7 @@ class WeightUpdater:
                                         f"{master_address}:{master_port}: {e}") from e  # fmt: skip
         with self._lock:
             self.groups[group_name] = group
+            self.parts[group_name] = part[0] if part is not None else 0
             if blocks is not None:
                 self.block_groups[group_name] = blocks
             self.traffic[group_name] = _new_traffic()
@@ -291,11 +310,42 @@ class WeightUpdater:
             session.failure = (f"{session.receiving} update(s) announced to the session were still receiving when "
                                "it ended")  # fmt: skip
         if session.failure is not None:
+            with self._lock:
+                self._drop_dirty_bases()
             self.recycle(session.buffers)
             raise WeightUpdateError(f"session discarded, model unchanged: {session.failure}")
         if not session.staged and session.weight_version is None:
             return None, "Success (nothing staged)"
+        self._rebase(session)
         return session.commit(), f"Success: committed {len(session.staged)} tensors"
+
+    def _rebase(self, session: Session) -> None:
+        """A committing session's kept buckets become the bases, under its version; a commit that kept none drops
+        the bases (the weights moved past them). The old bases' buffers go back to the spares."""
+        with self._lock:
+            old = list(self.bases.values())
+            keep = session.kept if session.kept and session.weight_version is not None else {}
+            self.bases = {k: buffer for k, (buffer, _) in keep.items()}
+            self.base_fps = {k: fp for k, (_, fp) in keep.items()}
+            self.base_version = version_to_int(session.weight_version) if keep else None
+            self.dirtied_by = None
+            self._keep([b for b in old if all(b is not k for k in self.bases.values())])
+
+    def _drop_dirty_bases(self) -> None:
+        """A session that wrote deltas into the bases ended without committing: they hold neither version, so they
+        go (the engine reports no base; the trainer's next push is whole). Caller holds the lock."""
+        if self.dirtied_by is None:
+            return
+        log.warning("weight deltas: a session that wrote into the bases did not commit; the bases are dropped (the "
+                    "next push comes whole)")  # fmt: skip
+        old = list(self.bases.values())
+        self.bases, self.base_fps, self.base_version, self.dirtied_by = {}, {}, None, None
+        self._keep(old)
+
+    @property
+    def delta_base(self) -> int | None:
+        """The weight version this rank's bases hold (what a delta may be taken against), or None."""
+        return self.base_version if self.bases and self.dirtied_by is None else None
 
     def fail_session(self, reason: str) -> None:
         """Mark the open session failed (its commit is refused at end); no-op without one."""
@@ -328,6 +378,7 @@ class WeightUpdater:
         if self.session is not None:
             log.warning("weight update session discarded (%d tensors staged): %s", len(self.session.staged), why)
             buffers, self.session = self.session.buffers, None
+            self._drop_dirty_bases()
             self._keep(buffers)
 
     # ---- receiving ----------------------------------------------------------------------------------------------
@@ -339,6 +390,7 @@ class WeightUpdater:
         group_name: str,
         weight_version: str | None,
         load_format: str | None = None,
+        delta: dict[str, Any] | None = None,
     ) -> ReceivedUpdate:
         """Receive one update's broadcast(s) from the trainer. Refuses before receiving what SGLang refuses before
         receiving; refuses after receiving (drained) what does not fit the model. With sessions (SGLang >= 0.5.21)
@@ -347,7 +399,7 @@ class WeightUpdater:
         this update was receiving (its group destroyed, a new group, idle expiry) takes the update with it: nothing
         received after a discard ever reaches the live model. Without sessions the caller applies the update."""
         args = dict(names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, weight_version=weight_version,
-                    load_format=load_format)  # fmt: skip
+                    load_format=load_format, delta=delta)  # fmt: skip
         return self._session_update("update_weights_from_distributed", "receive",
                                     args, lambda session: self._receive(session, **args))  # fmt: skip
 
@@ -383,6 +435,7 @@ class WeightUpdater:
         group_name: str,
         weight_version: str | None,
         load_format: str | None,
+        delta: dict[str, Any] | None = None,
     ) -> ReceivedUpdate:
         if load_format not in (None, "auto", FLATTENED_BUCKET, SHARDED_BUCKET):
             raise WeightUpdateError(f"load_format={load_format!r}: use null (one tensor per broadcast), "
@@ -423,11 +476,19 @@ class WeightUpdater:
                 slots = flat_bucket.layout(names, parsed, received_shapes)
             except ValueError as e:
                 raise WeightUpdateError(f"Failed to receive weights: {e}") from None
+        header, part = self._delta_header(delta, load_format, group_name, slots)
         with self._lock:
             self._traffic(group_name)["receiving"] += 1
             self.order.append(group_name)
+        wire: int | None = None
         try:
-            received, buffers = self._broadcasts(group, parsed, shapes, slots)
+            if header is None:
+                received, buffers = self._broadcasts(group, parsed, shapes, slots)
+            else:
+                assert slots is not None and part is not None
+                key = (str(load_format), *names)
+                received, buffers, problem, wire, fp = self._receive_delta(group, slots, header, part, key, session)
+                problems += [problem] if problem else []
         except RuntimeError as e:  # the trainer died or timed out mid-broadcast
             reason = f"receiving over {group_name!r} failed: {e}"
             if session is not None:
@@ -437,7 +498,7 @@ class WeightUpdater:
         finally:
             with self._lock:
                 self._traffic(group_name)["receiving"] -= 1
-        self._record(group_name, names, received)
+        self._record(group_name, names, received, wire)
         if problems:
             self.recycle(buffers)
             shown = "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
@@ -445,7 +506,72 @@ class WeightUpdater:
         update = ReceivedUpdate(targets, received, weight_version, buffers, boxes)
         if session is not None:
             self._stage(session, update, names, group_name)
+            if header is not None and header.keep:
+                with self._lock:
+                    session.kept[(str(load_format), *names)] = (buffers[0], fp)
         return update
+
+    def _delta_header(self, raw: dict[str, Any] | None, load_format: str | None, group_name: str,
+                      slots: list[flat_bucket.Slot] | None) -> tuple[DeltaHeader | None, Any]:  # fmt: skip
+        """The `delta` field parsed and this rank's part of it; refused before receiving when it cannot apply."""
+        if raw is None:
+            return None, None
+        if not self.protocol.deltas:
+            raise WeightUpdateError(f"the delta field needs weight-update sessions (SGLang >= 0.5.21 rules); this "
+                                    f"engine follows {self.protocol.version}")  # fmt: skip
+        if slots is None:
+            raise WeightUpdateError("a delta travels as one flat bucket: send load_format 'flattened_bucket' or "
+                                    f"{SHARDED_BUCKET!r}, not {load_format!r}")  # fmt: skip
+        try:
+            header = DeltaHeader.from_json(raw)
+            part = header.part(self.parts.get(group_name, 0) if load_format == SHARDED_BUCKET else 0)
+            unit = deltas.bucket_unit(slots)
+            if header.base is not None and part.unit != unit:
+                raise ValueError(f"a delta in units of {part.unit} bytes; this bucket's unit is {unit} (its smallest "
+                                 "itemsize)")  # fmt: skip
+            units = flat_bucket.nbytes(slots) // unit
+            deltas.payload_bytes(part.encoding, units, part.count, unit)  # type: ignore[arg-type]
+        except (ValueError, deltas.DeltaError) as e:
+            raise WeightUpdateError(f"Failed to receive weights: {e}") from None
+        return header, part
+
+    def _receive_delta(
+        self, group: Any, slots: list[flat_bucket.Slot], header: DeltaHeader, part: Any, key: tuple[str, ...],
+        session: Session | None,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], str | None, int, deltas.Fingerprint | None]:  # fmt: skip
+        """Receive one part's payload and rebuild the full bucket from this rank's base: (its tensors, [its buffer],
+        why it cannot be loaded or None, the payload's bytes, the bucket's fingerprint when it is to be kept). The
+        payload is always drained, so the sender's broadcast completes."""
+        size, unit = flat_bucket.nbytes(slots), deltas.bucket_unit(slots)
+        wire = self._land(group, deltas.payload_bytes(part.encoding, size // unit, part.count, unit))  # type: ignore[arg-type]
+        fp: deltas.Fingerprint | None = None
+        if part.encoding == "full":
+            out, problem = wire, None
+            fp = deltas.fingerprint(out, unit) if header.keep else None
+        else:
+            with self._lock:
+                base, base_fp = self.bases.get(key), self.base_fps.get(key)
+                held = self.base_version if self.dirtied_by in (None, session) else None
+            out, problem = base, None  # the delta is written into the base itself: no copy of the bucket
+            if base is None or base_fp is None or held != header.base:
+                have = "no base of this bucket" if base is None else f"its base at version {held}"
+                problem = (f"a delta against version {header.base} reached a rank holding {have}: nothing of it is "
+                           "loaded; the trainer must send this engine a full push")  # fmt: skip
+            else:
+                with self._lock:
+                    self.dirtied_by = session  # until it commits, the bases hold part of another version
+                try:
+                    fp = deltas.apply(base, part.encoding, part.count, unit, wire, base_fp)  # type: ignore[arg-type]
+                    if fp is None or deltas.fingerprint_hex(fp) != part.digest:
+                        problem = (f"a delta against version {header.base} decoded to other bytes than the "
+                                   "trainer's (fingerprint differs): this rank's base is not the trainer's; send a "
+                                   "full push")  # fmt: skip
+                except deltas.DeltaError as e:
+                    problem = f"a delta that does not fit its bucket: {e}"
+            self.recycle([wire])
+            if out is None:  # no base to write into: what was drained goes back
+                return [], [], problem, wire.nbytes, None
+        return [flat_bucket.view(out, s) for s in slots], [out], problem, wire.nbytes, fp
 
     def receive_tensors(self, entries: list[str], load_format: str | None,
                         weight_version: str | None) -> ReceivedUpdate:  # fmt: skip
@@ -498,8 +624,7 @@ class WeightUpdater:
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
         """(received tensors, the buffers they live in), broadcast from the group's rank 0."""
         if slots is not None:
-            buffer = self._buffer(flat_bucket.nbytes(slots))
-            dist.broadcast(buffer, src=0, group=group)
+            buffer = self._land(group, flat_bucket.nbytes(slots))
             return [flat_bucket.view(buffer, s) for s in slots], [buffer]
         out, buffers = [], []
         for dtype, shape in zip(dtypes, shapes):
@@ -509,6 +634,12 @@ class WeightUpdater:
             out.append(tensor)
             buffers.append(buf)
         return out, buffers
+
+    def _land(self, group: Any, nbytes: int) -> torch.Tensor:
+        """One flat buffer of `nbytes` broadcast from the group's rank 0, in a receive buffer."""
+        buffer = self._buffer(nbytes)
+        dist.broadcast(buffer, src=0, group=group)
+        return buffer
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
         with self._lock:
@@ -525,6 +656,8 @@ class WeightUpdater:
     def _keep(self, buffers: list[torch.Tensor]) -> None:
         kept = sum(b.nbytes for bs in self._spare.values() for b in bs)  # caller holds the lock
         for b in buffers:
+            if any(b is base for base in self.bases.values()):  # a delta's base stays as it is
+                continue
             if kept + b.nbytes > self._spare_limit:
                 break
             self._spare.setdefault(b.nbytes, []).append(b)
@@ -557,11 +690,11 @@ class WeightUpdater:
     def _traffic(self, group_name: str) -> dict[str, Any]:
         return self.traffic.setdefault(group_name, _new_traffic())  # caller holds the lock
 
-    def _record(self, group_name: str, names: list[str], tensors: list[torch.Tensor]) -> None:
+    def _record(self, group_name: str, names: list[str], tensors: list[torch.Tensor], wire: int | None = None) -> None:
         with self._lock:
             rec = self._traffic(group_name)
             rec["tensors"] += len(names)
-            rec["bytes"] += sum(t.nbytes for t in tensors)
+            rec["bytes"] += sum(t.nbytes for t in tensors) if wire is None else wire
             rec["names"].extend(names)
 
     def _check(self, name: str, dtype: torch.dtype, shape: tuple[int, ...] | None) -> tuple[str | None, Target]:
