@@ -10,8 +10,8 @@ the same channel carried at the last push both ends kept -- is a change. One enc
     bitmap   one bit per unit (padded to 8 bytes) then the new units: units / 8 + u per change
     full     the bucket's bytes as they are (past the break-even, ~1/3 of bf16 units or ~1/5 of FP8 bytes changed)
 
-Decoding writes the changed units into a copy of the base. Both ends keep a **fingerprint** of each base (`Fingerprint`:
-two 31-bit sums of a keyed hash of every unit and its position, mod 2^31 - 1) and move it by the changed units alone
+Decoding writes the changed units into the base. Both ends keep a **fingerprint** of each base (`Fingerprint`: the sum
+mod 2^64 of every unit's value times an odd key of its position) and move it by the changed units alone
 (`advance`: what a unit contributes is subtracted at its old value and added at its new one), so a delta push costs no
 pass over the whole bucket. The sender sends the new bytes' fingerprint; a receiver whose base differs from the
 sender's anywhere -- at a changed unit or not -- arrives at another one and refuses instead of loading wrong weights
@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 Encoding = Literal["sparse", "bitmap", "full"]
@@ -52,53 +53,52 @@ def bucket_unit(slots: Sequence[Any]) -> int:
     return min(s.dtype.itemsize for s in slots)
 
 
-_P = 2**31 - 1
-_LANES = ((0x5BD1E995, 0x3C6EF372), (0x2545F491, 0x6A09E667))
-"""Per lane (k, c): a unit at position i holding x contributes ((x mod P) + 1) * ((i * k + c) mod P) mod P. Every
-product stays below 2^62: int64 arithmetic, the same on any device."""
+_K, _C = 0x9E3779B97F4A7C15 - (1 << 64), 0x632BE59BD9B4E019
+"""The position key: a unit at position i holding x contributes (x + 1) * ((i * K + C) | 1), all mod 2^64 (int64
+arithmetic wraps the same on every device); an odd multiplier makes any single changed unit change the sum."""
 _CHUNK = 1 << 22
-Fingerprint = tuple[int, int]
+_M64 = (1 << 64) - 1
+Fingerprint = int
 
 
-def _contributions(positions: torch.Tensor, values: torch.Tensor) -> Fingerprint:
-    """The lanes' sums (mod P) over units at `positions` (int64) holding `values` (int64, >= 0)."""
-    x = values % _P + 1
-    sums = []
-    for k, c in _LANES:
-        sums.append(int((x * ((positions * k + c) % _P) % _P).sum()) % _P)
-    return sums[0], sums[1]
+def _contribution(positions: torch.Tensor, values: torch.Tensor) -> int:
+    """The sum (mod 2^64) over units at `positions` holding `values` (both int64, both consumed: written in place)."""
+    keys = positions.mul_(_K).add_(_C).bitwise_or_(1)
+    return int(values.add_(1).mul_(keys).sum()) & _M64
 
 
-def _as_int64(units: torch.Tensor, unit: int) -> torch.Tensor:
-    """Units (a signed integer view) as their unsigned values in int64."""
-    out = units.to(torch.int64)
-    return out & ((1 << 8 * unit) - 1) if unit < 8 else out & ((1 << 63) - 1)
+def _as_int64(units: torch.Tensor, unit: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Units (a signed integer view) as their unsigned values in int64 (8-byte units as they are), into `out`."""
+    out = units.to(torch.int64, copy=True) if out is None else out[: units.numel()].copy_(units)
+    return out.bitwise_and_((1 << 8 * unit) - 1) if unit < 8 else out
 
 
 def fingerprint(buffer: torch.Tensor, unit: int) -> Fingerprint:
     """The fingerprint of a whole bucket (a pass over it, in chunks, on its device)."""
     units = buffer.view(unit_dtype(unit))
-    total = [0, 0]
+    size = min(_CHUNK, units.numel())
+    positions = torch.empty(size, dtype=torch.int64, device=buffer.device)
+    values = torch.empty(size, dtype=torch.int64, device=buffer.device)
+    total = 0
     for start in range(0, units.numel(), _CHUNK):
         part = units[start : start + _CHUNK]
-        positions = torch.arange(start, start + part.numel(), dtype=torch.int64, device=buffer.device)
-        lanes = _contributions(positions, _as_int64(part, unit))
-        total = [(t + x) % _P for t, x in zip(total, lanes)]
-    return total[0], total[1]
+        n = part.numel()
+        torch.arange(start, start + n, dtype=torch.int64, device=buffer.device, out=positions[:n])
+        total = (total + _contribution(positions[:n], _as_int64(part, unit, values))) & _M64
+    return total
 
 
 def advance(fp: Fingerprint, positions: torch.Tensor, old: torch.Tensor, new: torch.Tensor, unit: int) -> Fingerprint:
     """The fingerprint after the units at `positions` went from `old` to `new` (unit-dtype views)."""
     if positions.numel() == 0:
         return fp
-    positions = positions.to(torch.int64)
-    added = _contributions(positions, _as_int64(new, unit))
-    removed = _contributions(positions, _as_int64(old, unit))
-    return (fp[0] + added[0] - removed[0]) % _P, (fp[1] + added[1] - removed[1]) % _P
+    added = _contribution(positions.to(torch.int64, copy=True), _as_int64(new, unit))
+    removed = _contribution(positions.to(torch.int64, copy=True), _as_int64(old, unit))
+    return (fp + added - removed) & _M64
 
 
 def fingerprint_hex(fp: Fingerprint) -> str:
-    return f"{fp[0]:08x}{fp[1]:08x}"
+    return f"{fp:016x}"
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ class Encoded:
     count: int
     unit: int
     payload: torch.Tensor
-    fingerprint: Fingerprint = (0, 0)
+    fingerprint: Fingerprint = 0
 
     @property
     def nbytes(self) -> int:
@@ -121,6 +121,20 @@ def sizes(units: int, changed: int, unit: int) -> dict[Encoding, int]:
     """Bytes on the wire of a bucket of `units` units with `changed` of them changed, per encoding."""
     return {"sparse": changed * (POSITION_BYTES + unit), "bitmap": _bitmap_bytes(units) + changed * unit,
             "full": units * unit}  # fmt: skip
+
+
+BITMAP_SAVING = 0.25
+"""A bitmap is chosen only when it saves at least this share of the full bytes: past that density its decode (every
+unit's bit read, most of them written) costs more than the bytes it saves."""
+
+
+def choose(units: int, changed: int, unit: int) -> Encoding:
+    """The encoding of a bucket of `units` units with `changed` changed: the smallest, a bitmap only when it saves
+    BITMAP_SAVING of the full bytes."""
+    cost = sizes(units, changed, unit)
+    if cost["bitmap"] > (1 - BITMAP_SAVING) * cost["full"]:
+        cost["bitmap"] = cost["full"] + 1
+    return min(ENCODINGS, key=lambda e: (cost[e], ENCODINGS.index(e)))
 
 
 def _bitmap_bytes(units: int) -> int:
@@ -138,21 +152,40 @@ def encode(new: torch.Tensor, base: torch.Tensor | None, unit: int, base_fp: Fin
     dt = unit_dtype(unit)
     n, b = new.view(dt), base.view(dt)
     mask = n != b
+    changed = int(mask.sum())
+    best = choose(units, changed, unit)
+    if best == "full":  # most units changed: one pass over the new bytes costs less than following each change
+        return Encoded("full", changed, unit, new, fingerprint(new, unit))
     positions = mask.nonzero().reshape(-1)
-    changed = positions.numel()
     values = n[positions]
     fp = advance(base_fp, positions, b[positions], values, unit)
-    cost = sizes(units, changed, unit)
-    best = min(ENCODINGS, key=lambda e: (cost[e], ENCODINGS.index(e)))
-    if best == "full":
-        return Encoded("full", changed, unit, new, fp)
     if best == "sparse":
         payload = torch.cat([positions.to(torch.int32).view(torch.uint8), values.view(torch.uint8)])
         return Encoded("sparse", changed, unit, payload, fp)
-    bits = torch.zeros(_bitmap_bytes(units) * 8, dtype=torch.bool, device=new.device)
-    bits[:units] = mask
-    packed = (bits.view(-1, 8).to(torch.uint8) << torch.arange(8, dtype=torch.uint8, device=new.device)).sum(1)
-    return Encoded("bitmap", changed, unit, torch.cat([packed.to(torch.uint8), values.view(torch.uint8)]), fp)
+    return Encoded(
+        "bitmap", changed, unit, torch.cat([_pack(mask, _bitmap_bytes(units)), values.view(torch.uint8)]), fp
+    )
+
+
+def _pack(mask: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """A bool mask as `nbytes` bytes of bits, least significant first (numpy's packbits on the host)."""
+    if mask.device.type == "cpu":
+        packed = torch.from_numpy(np.packbits(mask.numpy(), bitorder="little"))
+        return torch.cat([packed, torch.zeros(nbytes - packed.numel(), dtype=torch.uint8)])
+    bits = torch.zeros(nbytes * 8, dtype=torch.bool, device=mask.device)
+    bits[: mask.numel()] = mask
+    return (
+        (bits.view(-1, 8).to(torch.uint8) << torch.arange(8, dtype=torch.uint8, device=mask.device))
+        .sum(1)
+        .to(torch.uint8)
+    )
+
+
+def _unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The bits of `packed` as a bool tensor (the inverse of `_pack`)."""
+    if packed.device.type == "cpu":
+        return torch.from_numpy(np.unpackbits(packed.numpy(), bitorder="little").view(np.bool_))
+    return ((packed.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8, device=packed.device)) & 1).reshape(-1).bool()
 
 
 def payload_bytes(encoding: Encoding, units: int, count: int, unit: int) -> int:
@@ -188,9 +221,9 @@ def apply(out: torch.Tensor, encoding: Encoding, count: int, unit: int, payload:
     else:
         nbits = _bitmap_bytes(units)
         packed = payload[:nbits]
-        bits = ((packed.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8, device=out.device)) & 1).reshape(-1)
+        bits = _unpack(packed)
         positions = bits[:units].nonzero().reshape(-1)
-        if positions.numel() != count or int(bits[units:].sum()):
+        if positions.numel() != count or bool(bits[units:].any()):
             raise DeltaError(f"the bitmap marks {int(bits.sum())} units, its header {count}")
         values = payload[nbits:].view(dt)
     fp = advance(base_fp, positions, target[positions], values, unit) if base_fp is not None else None

@@ -222,6 +222,9 @@ def test_control_bodies_are_fields_of_sglang_request_structs() -> None:
         assert method in sglang_source.routes()[path], f"{method} {path} is not routed by SGLang"
     fields = sglang_source.class_fields(IO, "UpdateWeightsFromDistributedReqInput")
     assert sent[P.UPDATE_WEIGHTS_FROM_DISTRIBUTED][1]["weight_version"] == "3"  # a str field in SGLang
+    # deltas are this project's own field: SGLang has none, so they go only to engines whose protocol takes them
+    assert P.DELTA not in fields and P.DELTA not in sent[P.UPDATE_WEIGHTS_FROM_DISTRIBUTED][1]
+    assert not P.ServerProtocol("0.5.23").deltas and P.ServerProtocol("0.5.23", agent=True).deltas
     mode = sglang_source.class_fields(IO, "PauseGenerationReqInput")["mode"].annotation
     assert isinstance(mode, ast.Subscript) and ast.unparse(mode.value) == "Literal"
     assert set(P.ServerProtocol(sglang_source.PINNED).pause_modes) == set(ast.literal_eval(mode.slice))

@@ -359,3 +359,32 @@ def test_update_groups_of_an_earlier_membership_are_destroyed_on_the_engines_tha
     assert all(f.groups == {spec.name(0), spec.name(1)} for f in fakes.values()) and spec.attempt == 4
     engines.close()
     assert live_groups() == {u: 0 for u in urls}
+
+
+def test_deltas_go_only_to_engines_that_take_them_and_only_against_a_base_every_engine_reports() -> None:
+    """weight_sync.delta: SGLang's own ranks take no deltas (auto: full pushes; delta: refused, naming the field); the
+    embedded engine takes them, against the version the last push that landed everywhere left as the base, and only
+    while every engine reports holding it (/server_info weight_delta_base); a failed push resets it."""
+    from megatron_sao.engines.protocol import DELTA_BASE_INFO
+    from megatron_sao.weight_sync.sender import FLATTENED
+
+    sglang = replace(_spec(ServerProtocol("0.5.23")), load_format=FLATTENED)
+    assert _engines(delta="auto").deltas(sglang) is None
+    with pytest.raises(ValueError, match="weight_sync.delta='delta'.*push agent"):
+        _engines(delta="delta").deltas(sglang)
+    embedded = replace(_spec(ServerProtocol("0.5.23", embedded=True)), load_format=FLATTENED)
+    assert _engines(delta="full").deltas(embedded) is None
+    engines = _engines(delta="auto")
+    held: dict[str, Any] = {u: None for u in URLS}
+    for client in engines.clients.values():
+        client.server_info = lambda u=client.url: {"version": "0.5.23", "tp_size": 1, DELTA_BASE_INFO: held[u]}  # type: ignore[method-assign]
+    first = engines.deltas(embedded)
+    assert first is not None and first.base is None  # nothing kept yet: whole, and kept
+    engines.conclude(embedded, {}, touched=set(URLS), version=1)
+    held.update(dict.fromkeys(URLS, 1))
+    assert engines.deltas(embedded).base == 1  # type: ignore[union-attr]
+    held[URLS[1]] = None  # restarted: no base
+    assert engines.deltas(embedded).base is None  # type: ignore[union-attr]
+    engines.conclude(embedded, {URLS[0]: "end_weight_update: refused"}, touched=set(URLS), version=2)
+    held.update(dict.fromkeys(URLS, 1))
+    assert engines.delta_base is None and engines.deltas(embedded).base is None  # type: ignore[union-attr]
