@@ -151,20 +151,39 @@ def encode(new: torch.Tensor, base: torch.Tensor | None, unit: int, base_fp: Fin
         return Encoded("full", 0, unit, new, fingerprint(new, unit))
     dt = unit_dtype(unit)
     n, b = new.view(dt), base.view(dt)
-    mask = n != b
-    changed = int(mask.sum())
+    positions = changed_units(new, base, unit)
+    changed = positions.numel()
     best = choose(units, changed, unit)
     if best == "full":  # most units changed: one pass over the new bytes costs less than following each change
         return Encoded("full", changed, unit, new, fingerprint(new, unit))
-    positions = mask.nonzero().reshape(-1)
     values = n[positions]
     fp = advance(base_fp, positions, b[positions], values, unit)
     if best == "sparse":
         payload = torch.cat([positions.to(torch.int32).view(torch.uint8), values.view(torch.uint8)])
         return Encoded("sparse", changed, unit, payload, fp)
+    mask = torch.zeros(units, dtype=torch.bool, device=new.device)
+    mask[positions] = True
     return Encoded(
         "bitmap", changed, unit, torch.cat([_pack(mask, _bitmap_bytes(units)), values.view(torch.uint8)]), fp
     )
+
+
+def changed_units(new: torch.Tensor, base: torch.Tensor, unit: int) -> torch.Tensor:
+    """The positions (int64, ascending) of the units of `new` that differ from `base`: compared 8 bytes at a time
+    first, so the per-unit work covers only the words that changed (a few percent of them at the paper's lr)."""
+    dt = unit_dtype(unit)
+    whole = new.nbytes // 8 * 8
+    per_word = 8 // unit
+    if unit >= 8 or whole == 0:
+        return (new.view(dt) != base.view(dt)).nonzero().reshape(-1)
+    words = (new[:whole].view(torch.int64) != base[:whole].view(torch.int64)).nonzero().reshape(-1)
+    if words.numel() * 4 > whole // 8:  # most words changed: comparing every unit costs less than following them
+        return (new.view(dt) != base.view(dt)).nonzero().reshape(-1)
+    candidates = (words.unsqueeze(1) * per_word + torch.arange(per_word, device=new.device)).reshape(-1)
+    n, b = new.view(dt), base.view(dt)
+    found = candidates[n[candidates] != b[candidates]]
+    tail = torch.arange(whole // unit, new.nbytes // unit, device=new.device)
+    return torch.cat([found, tail[n[tail] != b[tail]]]) if tail.numel() else found
 
 
 def _pack(mask: torch.Tensor, nbytes: int) -> torch.Tensor:
