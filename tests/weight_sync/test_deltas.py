@@ -234,6 +234,8 @@ def _cut_delta(hf_dir: str, url: str, port: int) -> None:
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # default-tier cover: a refused delta push (the missed/restarted test's v8: its session fails and
+# the bases it wrote into are dropped) and the full/sharded push cut mid-bucket (test_weight_sync.py)
 def test_a_delta_push_cut_mid_way_leaves_the_old_weights_and_version(start_engine: Any, tiny_hf_dir: Any) -> None:
     hf_dir = tiny_hf_dir("qwen3_moe")
     engine = start_engine(hf_dir, "--weight-session-timeout", "5")
