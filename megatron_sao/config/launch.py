@@ -104,6 +104,10 @@ class LaunchConfig(Section):
     wandb: Literal["online", "offline"] | None = None
     """Also log to Weights & Biases (wandb must be installed; offline: a local run under <run_dir>/wandb)."""
 
+    samples_per_step: int = Field(default=2, ge=0)
+    """Trajectories of each step decoded into <run_dir>/samples.jsonl, TensorBoard's text tab and wandb (prompt, what
+    followed, reward, turns, versions; spread over the batch by reward, best and worst first); 0: none."""
+
     display: Literal["auto", "rich", "plain"] = "auto"
     """The learner's progress: a live view on an interactive terminal (auto: when stdout is a TTY outside CI and
     Slurm), else one plain line per step."""

@@ -11,6 +11,8 @@ METRICS_FILE = "metrics.jsonl"
 """One record per learner step, push and evaluation (files/metrics_schema.py, record "learner")."""
 
 
+SAMPLES_FILE = "samples.jsonl"
+"""A few decoded trajectories of each learner step (run/samples.py, launch.samples_per_step)."""
 TRAJECTORIES_FILE = "trajectories.jsonl"
 """The learner's side of the trajectory ledger: what each step consumed (run/ledger.py)."""
 STALE_FILE = "stale.jsonl"
@@ -24,5 +26,5 @@ def rollout_metrics_file(worker_id: str) -> str:
     return f"rollout_metrics_{worker_id}.jsonl"
 
 
-__all__ = ["CHECKPOINTS_DIR", "METRICS_FILE", "STALE_FILE", "STOP_FILE", "TRAJECTORIES_FILE", "DiskFull",
-           "JsonlAppender", "is_disk_full", "no_space", "read_records", "rollout_metrics_file"]  # fmt: skip
+__all__ = ["CHECKPOINTS_DIR", "METRICS_FILE", "SAMPLES_FILE", "STALE_FILE", "STOP_FILE", "TRAJECTORIES_FILE",
+           "DiskFull", "JsonlAppender", "is_disk_full", "no_space", "read_records", "rollout_metrics_file"]  # fmt: skip

@@ -46,6 +46,7 @@ from megatron_sao.run.batches import Batches
 from megatron_sao.run.display import StepDisplay
 from megatron_sao.run.metrics import MetricsLog, TrajectoryLedger, batch_metrics
 from megatron_sao.run.pretrain import ValuePretraining
+from megatron_sao.run.samples import SampleLog
 
 log = logging.getLogger(__name__)
 
@@ -321,6 +322,8 @@ class _Run:
         self.metrics_log = MetricsLog(self.run_dir, la.tensorboard, la.wandb, cfg, resumed_at) if self.rank0 else None
         self.ledger = (TrajectoryLedger(self.run_dir / TRAJECTORIES_FILE, learner.version, self.pretrain.steps)
                        if self.rank0 else None)  # fmt: skip
+        self.samples = (SampleLog(self.run_dir, cfg.model.hf_path, la.samples_per_step, self.metrics_log, resumed_at)
+                        if self.rank0 else None)  # fmt: skip
         self.display = StepDisplay(cfg.learner.max_steps, learner.version, la.display) if self.rank0 else None
         self.engines = EngineWeights(learner, self.sync, cfg.weight_sync, deferred=cfg.algo.name == "grpo_async")
         self.evals = None
@@ -428,11 +431,12 @@ class _Run:
             pretrain = self.pretrain.active or "pretrain/samples" in metrics
             self.ledger.write(batch, self.learner.version, pretrain, self.pretrain.steps, first_values)
 
-    def log(self, record: dict[str, Any], line: str) -> None:
+    def log(self, record: dict[str, Any], line: str, batch: Sequence[Trajectory] = ()) -> None:
         if self.rank0:
-            assert self.receiver is not None and self.metrics_log is not None
+            assert self.receiver is not None and self.metrics_log is not None and self.samples is not None
             record.update({f"bus/{k}": v for k, v in self.receiver.metrics().items()})
             self.metrics_log.write(record)
+            self.samples.write(record["step"], self.learner.version, batch)
             self.display.step(record, line)
 
     def write_eval(self, record: dict[str, Any]) -> None:
@@ -463,6 +467,8 @@ class _Run:
             self.metrics_log.close()
         if self.ledger is not None:
             self.ledger.close()
+        if self.samples is not None:
+            self.samples.close()
         if self.display is not None:
             self.display.close()
 
@@ -559,7 +565,7 @@ def _learn(cfg: SAOConfig, layout: DistContext, engine_urls: list[str], on_ready
             times["time/checkpoint"] = run.save(force=learner.version >= max_steps)
             times["time/step"] = time.monotonic() - t_wait
             record = run.record(batch, facts, metrics, times)
-            run.log(record, _progress(batch, record, max_steps))
+            run.log(record, _progress(batch, record, max_steps), batch)
             if run.evals is not None:
                 run.evals.poll()
         run.save(force=True)

@@ -48,7 +48,7 @@ class MetricsLog:
         trained after its last checkpoint, trained again now) is dropped from metrics.jsonl and TensorBoard, so every
         step is recorded once."""
         if resumed_at is not None:
-            _drop_after(run_dir / METRICS_FILE, resumed_at)
+            drop_after(run_dir / METRICS_FILE, resumed_at)
         self.file = JsonlAppender(run_dir / METRICS_FILE, "launch.run_dir")
         self.tb = None
         self.tb_dir = run_dir / "tensorboard"
@@ -78,6 +78,24 @@ class MetricsLog:
         if self.wandb is not None:
             self.wandb.log(scalars, step=step)
 
+    def samples(self, step: int, records: list[dict[str, Any]]) -> None:
+        """A step's decoded samples (run/samples.py): TensorBoard's text tab, a wandb table."""
+        if self.tb is not None:
+            fence = "```"
+            text = "\n\n".join(f"**reward {r['reward']:g}**, {r['turns']} turns, versions {r['versions']}, "
+                                 f"{r['finish_reason']}\n\n{fence}text\n{r['prompt']}\n----\n{r['response']}\n{fence}"
+                                 for r in records)  # fmt: skip
+            try:
+                self.tb.add_text("samples", text, global_step=step)
+            except OSError as e:
+                raise self._tb_failed(e) from e
+        if self.wandb is not None:
+            import wandb
+
+            columns = ["step", "reward", "turns", "prompt", "response"]
+            self.wandb.log({"samples": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in records])},
+                           step=step)  # fmt: skip
+
     def _tb_failed(self, e: OSError) -> OSError:
         """TensorBoard's writer thread fails later than the write that filled the disk; the error is named here and
         the writer dropped (metrics.jsonl stays whole and is the record of truth)."""
@@ -100,8 +118,9 @@ class MetricsLog:
             self.wandb.finish()
 
 
-def _drop_after(path: Path, step: int) -> None:
-    """Rewrite metrics.jsonl without the records of steps after `step` (a line that does not parse is kept)."""
+def drop_after(path: Path, step: int) -> None:
+    """Rewrite a per-step JSON-lines file (metrics, samples) without the records of steps after `step` (a line that
+    does not parse is kept)."""
     if not path.is_file():
         return
     kept, dropped = [], 0

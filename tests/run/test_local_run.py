@@ -69,6 +69,10 @@ def test_run_trains_syncs_and_resumes(tiny_hf_dir: Any, tmp_path: Path) -> None:
     assert resume["weight_version"] == 2 and resume["sync/failed"] == 0 and "step/trajectories" not in resume
     records = [r for r in records if "step/trajectories" in r]
     assert [r["weight_version"] for r in records] == list(range(1, 25))
+    # what the model wrote, decoded: two samples of every step, once each across the resume (launch.samples_per_step)
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [step for step in range(1, 25) for _ in range(2)]
+    assert all(s["prompt"].strip() and s["response"].strip() and s["versions"] for s in samples), samples[:2]
     # resumed engines were given version 2 before the worker started: every token the second run generated is
     # version >= 2 (what the first run left uncommitted in the spool comes again too, older: exactly once)
     produced = [e for e in map(json.loads, (run_dir / "ledger" / "rollout-0.jsonl").read_text().splitlines())
