@@ -353,14 +353,14 @@ def _learn(ns: argparse.Namespace, rest: list[str]) -> int:
     from megatron_sao.distributed.dirlock import DirLocked
     from megatron_sao.files import DiskFull
     from megatron_sao.learner.checkpoint import CheckpointError
-    from megatron_sao.learner.errors import NonFiniteTraining
+    from megatron_sao.learner.errors import NonFiniteTraining, NoProducers
     from megatron_sao.run.learn import learn
 
     urls = [u for u in args.engines.split(",") if u] or list(cfg.rollout.engine_urls)
     try:
         ready = Path(args.ready_file) if args.ready_file else None
         summary = learn(cfg, urls, on_ready=ready.touch if ready else None, critic_bridge=args.critic_bridge)
-    except NonFiniteTraining as e:
+    except (NonFiniteTraining, NoProducers) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except (DirLocked, DiskFull, CheckpointError) as e:  # CheckpointError: e.g. a full learner.save_dir, named

@@ -73,6 +73,11 @@ class BusConfig(Section):
     """Silence after which either side declares the other gone (producer: reconnect and resend; receiver: reclaim
     the producer's credits). Must exceed heartbeat_s."""
 
+    producer_wait_s: float = Field(default=900.0, ge=0.0)
+    """The learner gives up, exiting non-zero with a message naming the bus address, when it waits for a batch and no
+    rollout worker has been connected for this long (they died, never started, or dial another address). 0: wait
+    for ever."""
+
     dedup_recent_ids: int = Field(default=65536, ge=0)
     """Receiver: remember this many recently consumed trajectory ids (saved with checkpoints) to drop an id that
     comes back under a new sequence number; 0 disables (per-producer sequence numbers still de-duplicate)."""

@@ -9,6 +9,7 @@ the learner and nothing fresh arrived for RESYNC_AFTER_S: the last weight push f
 arrives is dropped as too stale (an engine restarted on its initial weights); and, sooner, when the engines serving
 are not the ones last pushed to (asked every ENGINE_CHECK_S of waiting: one came back or restarted). The caller then
 pushes again, so an engine that came back with old weights cannot starve the learner, nor generate long for nothing.
+It never waits for ever: with no rollout worker connected for bus.producer_wait_s it raises NoProducers.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from megatron_sao.bus.schema import Trajectory
+from megatron_sao.learner.errors import NoProducers
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ class Batches:
         from megatron_sao.bus.codec import Limits, decode
 
         self.receiver, self.n, self.group_size = receiver, n, group_size
+        self.bus = bus
         limits = Limits(bus.max_frame_bytes, bus.max_message_bytes, bus.max_header_bytes) if bus else None
         self.held: list[Trajectory] = [decode(frames, limits)[0] for frames in held or []] if limits else []
 
@@ -71,7 +74,7 @@ class Batches:
     ) -> list[Trajectory] | None:
         """Receive until a batch is complete (returned, and no longer held); None per the module docstring, or
         within ENGINE_CHECK_S of `stopping()` turning true (the run is asked to stop)."""
-        waited, logged, quiet = 0.0, 0.0, 0.0
+        waited, logged, quiet, alone = 0.0, 0.0, 0.0, 0.0
         stale0 = self.receiver.metrics().get("stale_dropped", 0.0)
         while True:
             batch = self._take()
@@ -95,6 +98,15 @@ class Batches:
             m = self.receiver.metrics()
             if lagging or m.get("stale_dropped", 0.0) > stale0:
                 return None
+            alone = alone + RESYNC_AFTER_S if not m.get("sessions", 0) else 0.0
+            limit = self.bus.producer_wait_s if self.bus is not None else 0.0
+            if limit and alone >= limit:
+                raise NoProducers(
+                    f"no rollout worker has been connected to the bus ({self.bus.bind}) for {alone:.0f} s while the "
+                    f"learner waited for a batch of {self.n} ({len(self.held)} held): the workers died, never "
+                    "started, or dial another address (their logs say which); raise bus.producer_wait_s to wait "
+                    "longer, or 0 to wait for ever"
+                )
             if waited - logged >= WAIT_LOG_S:
                 logged = waited
                 log.warning(

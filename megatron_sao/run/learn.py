@@ -42,6 +42,7 @@ from megatron_sao.distributed.dirlock import DirLock
 from megatron_sao.engines.protocol import agent_url
 from megatron_sao.files import STOP_FILE, TRAJECTORIES_FILE
 from megatron_sao.learner.checkpoint import checkpoint_dir, own_checkpoint_dir
+from megatron_sao.learner.errors import NoProducers
 from megatron_sao.run.batches import Batches
 from megatron_sao.run.display import StepDisplay
 from megatron_sao.run.metrics import MetricsLog, TrajectoryLedger, batch_metrics
@@ -345,10 +346,15 @@ class _Run:
         engine_set = self.sync.engines if self.sync is not None else None  # rank 0's
         # only once something was pushed: before that the engines hold the weights they started from (version 0)
         changed = (lambda: engine_set.spec is not None and engine_set.changed()) if engine_set else (lambda: False)
-        batch = None
+        batch: Any = None
         if self.batches is not None:
-            batch = self.batches.next(self.engines.lagging, lambda: bool(self.stop.signum), changed)
+            try:
+                batch = self.batches.next(self.engines.lagging, lambda: bool(self.stop.signum), changed)
+            except NoProducers as e:  # every rank ends with it, not rank 0 alone
+                batch = e
         batch = share(batch)
+        if isinstance(batch, NoProducers):
+            raise batch
         self.stopped = self.stop.agreed()
         return None if self.stopped else batch
 

@@ -63,3 +63,37 @@ def test_without_a_reason_to_push_it_waits_on(monkeypatch: Any) -> None:
         return False
 
     assert stale_batches.next(False, engines_changed=growing) is None and stale.calls == 3  # after RESYNC_AFTER_S
+
+
+def test_with_no_rollout_worker_connected_the_wait_ends_naming_the_bus(monkeypatch: Any) -> None:
+    """bus.producer_wait_s: no session on the bus for that long while waiting ends the wait with NoProducers, which
+    names the address and the field; a worker connected in between starts the count again; 0 waits for ever."""
+    import pytest
+
+    from megatron_sao.config.bus import BusConfig
+    from megatron_sao.learner.errors import NoProducers
+
+    monkeypatch.setattr(B, "ENGINE_CHECK_S", 1.0)
+    monkeypatch.setattr(B, "RESYNC_AFTER_S", 5.0)
+    bus = BusConfig(producer_wait_s=20.0, bind="tcp://127.0.0.1:5599")
+
+    class Alone(_Receiver):
+        def __init__(self, sessions: list[int]) -> None:
+            super().__init__([])
+            self.sessions = sessions
+
+        def metrics(self) -> dict[str, float]:
+            return {"stale_dropped": 0.0, "sessions": float(self.sessions.pop(0) if self.sessions else 0)}
+
+    lonely = Alone([])
+    with pytest.raises(NoProducers, match=r"tcp://127.0.0.1:5599.*20 s.*bus.producer_wait_s"):
+        B.Batches(lonely, 3, None, bus=bus).next(False)
+    assert lonely.calls == 20  # 20 s of quiet slices, looked at every RESYNC_AFTER_S
+    back = Alone([0, 0, 0, 1, 0, 0])  # (the first before the wait) a worker connected at the third look: counted anew
+    with pytest.raises(NoProducers):
+        B.Batches(back, 3, None, bus=bus).next(False)
+    assert back.calls == 35
+    forever = Alone([])
+    t = make_batch(3)
+    forever.arrivals = [[]] * 60 + [t]
+    assert B.Batches(forever, 3, None, bus=BusConfig(producer_wait_s=0.0)).next(False) == t
