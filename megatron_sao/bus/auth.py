@@ -68,7 +68,20 @@ def _load(path: str, what: str, need_secret: bool) -> tuple[bytes, bytes | None]
         raise ValueError(f"{what} key file {path} is not a ZeroMQ certificate ({e}); {_KEYGEN_HINT}") from e
     if need_secret and secret is None:
         raise ValueError(f"{what} key file {path} holds no secret key; point it at the .key_secret file")
+    mode = Path(path).stat().st_mode & 0o777
+    if need_secret and mode & 0o077:
+        raise ValueError(f"{what} key file {path} is open to other users (mode {mode:o}): a secret key must be its "
+                         f"owner's alone; chmod 600 {path}")  # fmt: skip
     return public, secret
+
+
+def _owner_writable_only(path: Path, what: str) -> None:
+    """Refuse an authorized-keys directory (or key in it) that others may write: they could authorize themselves."""
+    for p in [path, *sorted(path.glob("*.key"))]:
+        mode = p.stat().st_mode & 0o777
+        if mode & 0o022:
+            raise ValueError(f"{what} {p} is writable by other users (mode {mode:o}): whoever can write it can "
+                             f"authorize a producer; chmod go-w {p}")  # fmt: skip
 
 
 def start_server_auth(ctx: zmq.Context, cfg: BusConfig) -> ThreadAuthenticator | None:
@@ -82,6 +95,7 @@ def start_server_auth(ctx: zmq.Context, cfg: BusConfig) -> ThreadAuthenticator |
     keys_dir = Path(cfg.curve_client_keys_dir or "")
     if not keys_dir.is_dir() or not any(keys_dir.glob("*.key")):
         raise ValueError(f"bus.curve_client_keys_dir {keys_dir} holds no client public keys (*.key); {_KEYGEN_HINT}")
+    _owner_writable_only(keys_dir, "bus.curve_client_keys_dir")
     _load(cfg.curve_server_key, "bus.curve_server_key", need_secret=True)
     auth = ThreadAuthenticator(ctx)
     auth.start()

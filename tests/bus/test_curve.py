@@ -81,3 +81,33 @@ def test_missing_key_files_are_config_errors_with_a_fix(tmp_path: Path, keys: Pa
     bad = producer.model_copy(update={"curve_client_key": str(tmp_path / "nope.key_secret")})
     with pytest.raises(ValueError, match="does not exist"):
         TrajectorySender(bad, "good")
+
+
+def test_keys_others_could_read_or_write_are_refused_naming_the_fix(tmp_path: Path, keys: Path) -> None:
+    """A secret key readable by other users (ssh's rule), and an authorized-keys directory or key others may write
+    (they could authorize themselves), are refused before the bus starts, naming the file and the chmod."""
+    import shutil
+
+    from megatron_sao.bus.auth import load_client_keys, start_server_auth
+
+    mine = tmp_path / "keys"
+    shutil.copytree(keys, mine)
+    server, producer = _cfgs(mine, "good")
+    secret = Path(producer.curve_client_key)
+    secret.chmod(0o644)
+    with pytest.raises(ValueError, match=rf"open to other users \(mode 644\).*chmod 600 {secret}"):
+        load_client_keys(producer)
+    secret.chmod(0o600)
+    assert load_client_keys(producer) is not None
+    authorized = Path(server.curve_client_keys_dir)
+    authorized.chmod(0o777)
+    ctx = zmq.Context()
+    try:
+        with pytest.raises(ValueError, match=rf"writable by other users.*chmod go-w {authorized}"):
+            start_server_auth(ctx, server)
+        authorized.chmod(0o755)
+        (authorized / "good.key").chmod(0o666)
+        with pytest.raises(ValueError, match="good.key is writable by other users"):
+            start_server_auth(ctx, server)
+    finally:
+        ctx.term()
