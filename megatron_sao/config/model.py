@@ -10,7 +10,7 @@ from pydantic import Field, field_validator, model_validator
 
 from megatron_sao.config.base import Section
 
-ModelFamily = Literal["qwen3_moe", "glm4_moe", "glm_moe_dsa"]
+ModelFamily = Literal["qwen3_moe", "glm4_moe", "glm_moe_dsa", "qwen3", "llama"]
 
 
 class TinyModelConfig(Section):

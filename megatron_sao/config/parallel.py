@@ -178,6 +178,13 @@ class ParallelConfig(Section):
                                  f"{fits}")  # fmt: skip
 
     def check_num_experts(self, num_experts: int) -> None:
+        """`num_experts`: the model's routed experts (0: a dense model, which takes no expert parallelism)."""
+        if not num_experts:
+            if self.expert > 1 or self.expert_tensor not in (None, 1):
+                raise ValueError(f"parallel.expert={self.expert} (expert_tensor={self.expert_tensor}): the model is "
+                                 "dense (no experts); set parallel.expert 1 and leave parallel.expert_tensor "
+                                 "unset")  # fmt: skip
+            return
         if num_experts % self.expert:
             divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
             raise ValueError(

@@ -164,9 +164,7 @@ def transformer_config(
     if not spec.use_dsa_indexer:
         for key in ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk"):
             arch.pop(key, None)
-    num_experts = arch.get("num_moe_experts")
-    if num_experts:
-        parallel.check_num_experts(num_experts)
+    parallel.check_num_experts(arch.get("num_moe_experts") or 0)
     heads, groups = arch["num_attention_heads"], arch.get("num_query_groups") or arch["num_attention_heads"]
     if heads % parallel.tensor or groups % parallel.tensor:
         raise ValueError(

@@ -100,6 +100,10 @@ def _tiny_hf_config(
             index_head_dim=16,
             index_n_heads=2,
         )
+    if family == "qwen3":
+        return transformers.Qwen3Config(**common, num_key_value_heads=heads // 2, head_dim=16)
+    if family == "llama":
+        return transformers.LlamaConfig(**common, num_key_value_heads=heads // 2, head_dim=hidden // heads)
     raise ValueError(f"unsupported family {family!r}; supported: {', '.join(FAMILIES)}")
 
 

@@ -251,7 +251,7 @@ def _check_topology(cfg: SAOConfig, arch: Architecture, hw: Hardware, plan: Plan
     p, r = cfg.parallel, cfg.rollout
     checks = [
         ("parallel.context", lambda: check_learner_parallelism(p)),
-        ("parallel.expert", lambda: arch.experts and p.check_num_experts(arch.experts)),
+        ("parallel.expert", lambda: p.check_num_experts(arch.experts or 0)),
         ("parallel.tensor", lambda: p.check_attention_heads(arch.heads, arch.kv_heads if arch.mla is None else None)),
     ]
     for name, check in checks:

@@ -129,6 +129,28 @@ def test_learner_step_updates_parameters_the_same_at_every_layout(tiny_hf_dir, f
             assert r["policy_version"] == 1
 
 
+@pytest.mark.multiproc
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])  # qwen3: as llama, with
+# q/k norms (the parity tests cover both families at TP=2 and PP=2)
+def test_a_dense_learner_step_is_the_same_at_tp2_and_pp2(family, tmp_path):
+    """The dense families (issue 49; llama with tied embeddings, SmolLM2's layout): one SAO step (K=2 critic updates,
+    the critic's attention frozen, its MLPs and head trained) moves the policy and the critic the same at TP=2 (with
+    sequence parallelism) and PP=2 (the tied output layer on the last stage) as on one rank."""
+    from megatron_sao.models.tiny import make_tiny_model
+
+    hf_dir = str(make_tiny_model(family, tmp_path / family, seed=1, tie_embeddings=family == "llama"))
+    trajectories = on_policy(make_batch(6, seed=3), hf_dir)
+    layouts = {k: v for k, v in LAYOUTS.items() if k in ("tp2_sp", "pp2")}
+    ref = spawn_ranks(_one_step_per_layout, 1, hf_dir, trajectories, {"single": {}}, "fp32", timeout_s=300)
+    per_rank = spawn_ranks(_one_step_per_layout, 2, hf_dir, trajectories, layouts, "fp32", timeout_s=600)
+    ref_policy, ref_value = _assembled(ref, "single", "policy"), _assembled(ref, "single", "value")
+    assert ref[0]["single"]["policy_moved"] > 5e-6
+    for layout in layouts:
+        _compare(ref_policy, _assembled(per_rank, layout, "policy"), 1e-6)
+        _compare(ref_value, _assembled(per_rank, layout, "value"), 1e-6)
+        assert all(r[layout]["frozen_same"] and r[layout]["num_frozen"] > 0 for r in per_rank)
+
+
 def _step_with_bad_trajectories(hf_dir: str, trajectories) -> dict:
     from megatron_sao.distributed import init_distributed
     from megatron_sao.learner.learner import Learner

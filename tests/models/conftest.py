@@ -15,7 +15,9 @@ from megatron_sao.models.tiny import make_tiny_model
 
 INIT_STD = 0.1
 FAMILIES = ("qwen3_moe", "glm4_moe", "glm_moe_dsa")
-FP32_MODELS = (*FAMILIES, "qwen3_moe_tied", "glm4_moe_mtp")
+DENSE = ("qwen3", "llama_tied")
+"""The dense families (issue 49): Qwen3 dense, and Llama with tied embeddings (SmolLM2's layout)."""
+FP32_MODELS = (*FAMILIES, "qwen3_moe_tied", "glm4_moe_mtp", *DENSE)
 BATCH, SEQ = 2, 16
 
 
@@ -25,6 +27,8 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     without a stored lm_head copy), and a GLM-4.5 model carrying an MTP layer the megatron model does not build."""
     root = tmp_path_factory.mktemp("hf")
     models = {f: make_tiny_model(f, root / f, init_std=INIT_STD, seed=1) for f in FAMILIES}
+    models["qwen3"] = make_tiny_model("qwen3", root / "qwen3", init_std=INIT_STD, seed=4)
+    models["llama_tied"] = make_tiny_model("llama", root / "llama_tied", init_std=INIT_STD, tie_embeddings=True, seed=5)
     for f in ("qwen3_moe", "glm4_moe"):
         models[f"{f}_bf16"] = make_tiny_model(f, root / f"{f}_bf16", init_std=INIT_STD, dtype="bf16", seed=2)
     models["qwen3_moe_tied"] = make_tiny_model(
@@ -99,4 +103,6 @@ def multi_rank_logits(
 
     jobs = {f: (str(tiny_models[f]), conversions["ckpt"][f], ["tp2", "ep2", "pp2"]) for f in FAMILIES}
     jobs["qwen3_moe_tied"] = (str(tiny_models["qwen3_moe_tied"]), conversions["ckpt"]["qwen3_moe_tied"], ["pp2"])
+    for name in DENSE:  # no experts: TP=2 (sequence parallel, as by default) and without it, PP=2
+        jobs[name] = (str(tiny_models[name]), conversions["ckpt"][name], ["tp2", "pp2", "tp2nosp"])
     return spawn_ranks(multi_rank_worker, 2, jobs, tokens, timeout_s=600)

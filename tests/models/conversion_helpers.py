@@ -49,6 +49,7 @@ MULTI_RANK_LAYOUTS = {
     "tp2": ParallelConfig(tensor=2),
     "ep2": ParallelConfig(expert=2),
     "pp2": ParallelConfig(pipeline=2),
+    "tp2nosp": ParallelConfig(tensor=2, sequence_parallel=False),
 }
 
 

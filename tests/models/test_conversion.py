@@ -22,6 +22,8 @@ ROUND_TRIP_MODELS = [
     "qwen3_moe_tied",
     "qwen3_moe_tied_stored",
     "glm4_moe_mtp",
+    "qwen3",
+    "llama_tied",
 ]
 
 
@@ -92,10 +94,10 @@ def test_dsa_indexer_and_mtp_tensors_travel_as_passthrough(tiny_models, conversi
 
 
 def test_unsupported_architecture_is_refused_listing_the_supported_ones(tiny_models, tmp_path):
-    llama = edit_config(tiny_models["qwen3_moe"], tmp_path / "llama", model_type="llama")
-    with pytest.raises(ValueError, match="unsupported architecture: model_type='llama'") as e:
-        convert_hf_to_megatron(llama, tmp_path / "out", progress=False)
-    assert all(t in str(e.value) for t in ("qwen3_moe", "glm4_moe", "glm_moe_dsa"))
+    gpt2 = edit_config(tiny_models["qwen3_moe"], tmp_path / "gpt2", model_type="gpt2")
+    with pytest.raises(ValueError, match="unsupported architecture: model_type='gpt2'") as e:
+        convert_hf_to_megatron(gpt2, tmp_path / "out", progress=False)
+    assert all(t in str(e.value) for t in ("qwen3_moe", "glm4_moe", "glm_moe_dsa", "qwen3", "llama"))
 
 
 def test_non_empty_output_directory_is_refused_without_force(tiny_models, tmp_path, capsys):

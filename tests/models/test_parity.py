@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import FAMILIES, INIT_STD
+from conftest import DENSE, FAMILIES, INIT_STD
 from conversion_helpers import TOOLS
 
 PARITY_TOL = 1e-5
@@ -27,7 +27,7 @@ def test_reference_logits_are_large_enough_for_parity_to_mean_something(hf_refer
     assert INIT_STD == 0.1
 
 
-@pytest.mark.parametrize("name", [*FAMILIES, "qwen3_moe_tied", "glm4_moe_mtp"])
+@pytest.mark.parametrize("name", [*FAMILIES, "qwen3_moe_tied", "glm4_moe_mtp", *DENSE])
 def test_tp1_logits_match_transformers(name, conversions, hf_reference_logits):
     assert _max_diff(conversions["tp1"][name], hf_reference_logits[name]) <= PARITY_TOL
 
@@ -43,6 +43,20 @@ def test_multi_rank_logits_match_transformers(family, layout, multi_rank_logits,
     assert produced
     for logits in produced:
         assert _max_diff(logits, hf_reference_logits[family]) <= PARITY_TOL
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "tp2nosp"])
+@pytest.mark.parametrize("name", DENSE)
+def test_dense_models_logits_match_transformers_at_tp2_with_and_without_sequence_parallel_and_pp2(
+    name, layout, multi_rank_logits, hf_reference_logits
+):  # fmt: skip
+    """The dense families (issue 49): Qwen3 (q/k norms) and Llama with tied embeddings, at TP=2 (with and without
+    sequence parallelism: the default at TP > 1) and PP=2 (the tied output layer on the last stage)."""
+    produced = [p for p in (rank[name][layout] for rank in multi_rank_logits) if p is not None]
+    assert produced
+    for logits in produced:
+        assert _max_diff(logits, hf_reference_logits[name]) <= PARITY_TOL
 
 
 @pytest.mark.multiproc

@@ -236,3 +236,20 @@ def test_the_delta_paths_carry_the_changed_share_and_pay_the_sources_base_copy()
     assert [m.field for m in bad.misfits] == ["weight_sync.delta"]
     assert delta_fraction(0.5, 2) == pytest.approx((1 / 8 + 0.5 * 2) / 2, rel=1e-3)  # bitmap
     assert delta_fraction(0.99, 2) == 1.0  # whole
+
+
+def test_a_dense_model_plans_without_experts_and_refuses_expert_parallelism(tmp_path: Path) -> None:
+    """The dense families (issue 49): Qwen3-8B's config on the Qwen3-30B example's cluster fits with
+    parallel.expert 1 (every push path planned, no experts); with the example's expert parallelism the plan names
+    parallel.expert, since a dense model has no experts to spread."""
+    hf = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+          "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+          "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+          "rope_theta": 1000000, "tie_word_embeddings": False}  # fmt: skip
+    dense = ["--model.family", "qwen3", "--rollout.sglang.ep", "1"]
+    plan = make_plan(load_config(QWEN, [*dense, "--parallel.expert", "1"]), hf, Hardware(nodes=6))
+    assert plan.fits, plan.misfits
+    assert plan.counts.routed == 0 and 8.0e9 < plan.counts.total < 8.4e9
+    assert {"full", "sharded", "agent"} <= set(plan.sync.paths)
+    bad = make_plan(load_config(QWEN, dense), hf, Hardware(nodes=6))
+    assert "parallel.expert" in [m.field for m in bad.misfits], bad.misfits

@@ -526,3 +526,29 @@ def test_an_fp8_engine_takes_pushes_quantized_into_its_checkpoint_format(
     worst = max(abs(a - b) for a, b in zip(ref.logprobs[:same], q.logprobs[:same]))
     print(f"fp8 vs fp32 engine: {same} tokens agree, worst log-prob gap {worst:.4f}")
     assert worst <= FP8_LOGP_TOL, f"FP8 engine vs fp32 engine log-probs differ by {worst:.3f}"
+
+
+@pytest.mark.multiproc
+def test_a_dense_model_pushed_from_a_tp2_learner_serves_the_learners_log_probs(
+    start_engine: Any, tmp_path: Any
+) -> None:
+    """The dense families (issue 49), Llama with tied embeddings (SmolLM2's layout): a TP=2 learner steps and pushes
+    to a TP=1 engine and a TP=2 engine (each its shard-aware blocks; the tied embedding travels once, as
+    embed_tokens); both then generate the same greedy tokens at the new version, with the learner's log-probs."""
+    from megatron_sao.models.tiny import make_tiny_model
+
+    hf_dir = make_tiny_model("llama", tmp_path / "llama", seed=1, tie_embeddings=True)
+    engines = [start_engine(hf_dir), start_engine(hf_dir, "--tp-size", "2")]
+    for e in engines:
+        e.wait_healthy()
+    per_rank = spawn_ranks(_train_push_compare, 2, str(hf_dir), {"tensor": 2}, [e.url for e in engines],
+                           find_free_port(), timeout_s=600)  # fmt: skip
+    m = per_rank[0]["metrics"]
+    assert m["sync/failed"] == 0 and m["sync/engines"] == 2 and m["sync/sharded"] == 1, m
+    assert per_rank[0]["versions"] == [1, 1]
+    outs = per_rank[0]["outs"]
+    assert outs[0].output_ids == outs[1].output_ids and outs[0].versions == [1] * 10
+    logps = [r["learner_logp"] for r in per_rank if r["learner_logp"][0] is not None][0]
+    for learner_logp, out in zip(logps, outs):
+        worst = max(abs(a - b) for a, b in zip(learner_logp, out.logprobs))
+        assert worst <= LOGP_TOL, f"engine vs learner log-probs differ by {worst:.2e}"

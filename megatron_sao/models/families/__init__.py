@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from megatron_sao.models.families import glm4_moe, glm_moe_dsa, qwen3_moe
+from megatron_sao.models.families import glm4_moe, glm_moe_dsa, llama, qwen3, qwen3_moe
 from megatron_sao.models.families.base import HFConfig, ModelFamily, UnsupportedModelError
 
-FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (qwen3_moe.FAMILY, glm4_moe.FAMILY, glm_moe_dsa.FAMILY)}
+FAMILIES: dict[str, ModelFamily] = {
+    f.name: f for f in (qwen3_moe.FAMILY, glm4_moe.FAMILY, glm_moe_dsa.FAMILY, qwen3.FAMILY, llama.FAMILY)
+}
 
 
 def get_family(name: str) -> ModelFamily:

@@ -139,3 +139,40 @@ def is_mtp_weight(hf: HFConfig, name: str) -> bool:
     """Multi-token-prediction layers sit after the last decoder layer in GLM/DeepSeek checkpoints."""
     m = re.match(r"^model\.layers\.(\d+)\.", name)
     return m is not None and int(m.group(1)) >= int(hf_get(hf, "num_hidden_layers", required=True))
+
+
+def dense_architecture(hf: HFConfig, family: str, qk_norm: bool) -> dict[str, Any]:
+    """TransformerConfig arguments of a dense decoder (Llama's layout: GQA, SwiGLU, RMSNorm, RoPE over the whole
+    head), with per-head q/k RMSNorm when `qk_norm` (Qwen3). Biases on the attention (transformers puts them on q, k, v
+    and o alike) or the MLP have no megatron-core equivalent here and are refused."""
+    require_default_rope(hf, family)
+    for key in ("attention_bias", "mlp_bias"):
+        if hf_get(hf, key, False):
+            raise UnsupportedModelError(f"{family}: {key}=true is not mapped (megatron-core's bias covers every "
+                                        "linear layer or only q/k/v; this layout biases others)")  # fmt: skip
+    heads = int(hf_get(hf, "num_attention_heads", required=True))
+    hidden = int(hf_get(hf, "hidden_size", required=True))
+    return dict(
+        num_layers=int(hf_get(hf, "num_hidden_layers", required=True)),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=int(hf_get(hf, "num_key_value_heads", heads)),
+        kv_channels=int(hf_get(hf, "head_dim", hidden // heads)),
+        ffn_hidden_size=int(hf_get(hf, "intermediate_size", required=True)),
+        layernorm_epsilon=float(hf_get(hf, "rms_norm_eps", 1e-6)),
+        qk_layernorm=qk_norm,
+        add_qkv_bias=False,
+        rotary_base=rope_theta(hf),
+        rotary_percent=1.0,
+    )
+
+
+def dense_rules(hf: HFConfig, qk_norm: bool) -> list[Rule]:
+    """Weight rules of a dense decoder: embeddings (tied or not), and per layer its norms, GQA attention and MLP."""
+    from megatron_sao.models.mapping import dense_mlp_rules, embedding_rules, gqa_attention_rules, norm_rules
+
+    rules = embedding_rules(bool(hf_get(hf, "tie_word_embeddings", False)))
+    for layer in range(int(hf_get(hf, "num_hidden_layers", required=True))):
+        rules += norm_rules(layer) + gqa_attention_rules(layer, qkv_bias=False, qk_norm=qk_norm)
+        rules += dense_mlp_rules(layer)
+    return rules
