@@ -253,3 +253,11 @@ def test_a_dense_model_plans_without_experts_and_refuses_expert_parallelism(tmp_
     assert {"full", "sharded", "agent"} <= set(plan.sync.paths)
     bad = make_plan(load_config(QWEN, dense), hf, Hardware(nodes=6))
     assert "parallel.expert" in [m.field for m in bad.misfits], bad.misfits
+
+
+def test_the_delta_density_is_taken_from_the_command_line_and_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out = plan_cli(capsys, QWEN, "--nodes", "6", "--delta-density", "0.05")
+    assert rc == 0 and "deltas at 0.0500 of engine-dtype units changed per push" in " ".join(out.split()), out
+    with pytest.raises(SystemExit) as e:
+        plan_cli(capsys, QWEN, "--nodes", "6", "--delta-density", "2")
+    assert e.value.code == 2 and "--delta-density 2: a share of units, in [0, 1]" in capsys.readouterr().err
