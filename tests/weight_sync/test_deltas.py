@@ -308,3 +308,23 @@ def test_a_push_agent_rebuilds_deltas_on_its_host_copy_and_hands_over_full_slice
     tokens = want.generate(PROMPT, {"max_new_tokens": 8, **GREEDY}).output_ids
     gen = got.generate(PROMPT, {"max_new_tokens": 8, **GREEDY})
     assert gen.output_ids == tokens and gen.versions == [3] * 8
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow  # default-tier cover: the agent's TP=2 ranks take the same sharded deltas (the test above)
+def test_a_tp2_engine_takes_sharded_deltas_rank_by_rank(start_engine: Any, tiny_hf_dir: Any) -> None:
+    """An embedded TP=2 engine without an agent: each rank receives its block part as a delta over its block group
+    (every rank's base is its own blocks) and commits; rank by rank it then holds what a TP=2 engine given full pushes
+    holds."""
+    hf_dir = tiny_hf_dir("qwen3_moe")
+    reference, engine = (start_engine(hf_dir, "--tp-size", "2") for _ in range(2))
+    for e in (reference, engine):
+        e.wait_healthy()
+    (out,) = spawn_ranks(_through_agent, 1, str(hf_dir), engine.url, reference.url, find_free_port(), timeout_s=600)
+    first, *later = out["pushes"]
+    assert all(p["sync/failed"] == 0 and p["sync/sharded"] == 1 for p in out["pushes"]), out["pushes"]
+    assert first["sync/delta_buckets"] == 0 and all(p["sync/delta_buckets"] > 0 for p in later)
+    got, want = SGLangClient(engine.url), SGLangClient(reference.url)
+    assert [r["checksums"] for r in got.weights_checksum()["ranks"]] == \
+        [r["checksums"] for r in want.weights_checksum()["ranks"]]  # fmt: skip
+    assert got.weight_version() == 3
