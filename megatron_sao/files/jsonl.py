@@ -150,9 +150,11 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            out.append(json.loads(line))
+            record = json.loads(line)
         except ValueError:
-            out.append({"event": "unreadable", "where": f"{path}:{n}"})
+            record = None
+        # a line that is not a JSON object (garbage, or valid JSON of another shape) is kept as what it is
+        out.append(record if isinstance(record, dict) else {"event": "unreadable", "where": f"{path}:{n}"})
     if torn.strip():
         if _parses(torn):
             out.append(json.loads(torn))

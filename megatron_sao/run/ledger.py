@@ -246,6 +246,9 @@ def check_ledger(
     for line in (*worker_lines, *learner_lines):
         if line.get("event") == "unreadable":
             report.violations.append(f"unreadable ledger line {line['where']}")
+    # what cannot be read was named above; a worker's line without its worker says nothing the checks can use
+    worker_lines = [line for line in worker_lines if line.get("event") != "unreadable" and "worker" in line]
+    learner_lines = [line for line in learner_lines if line.get("event") != "unreadable"]
     side = _read_worker_side(worker_lines, report)
     consumed, report.voided = consumed_ids(learner_lines)
     held = held_ids(learner_lines)

@@ -144,3 +144,20 @@ def test_the_ledger_compares_what_was_dropped_as_stale_with_what_was_trained(tmp
                                             "trained 2: reward 0.500, turns 2.00, tokens 200")  # fmt: skip
     (tmp_path / "stale.jsonl").write_text("")
     assert dropped_vs_trained(tmp_path) is None
+
+
+def test_garbage_ledger_lines_are_named_violations_not_a_traceback(tmp_path: Path) -> None:
+    """A line that is not JSON, JSON that is not an object, or an object without the fields the checker reads is
+    reported by its file and line (or left out), and the rest of the ledger is still checked."""
+    lines = [x for i, tid in enumerate("ab") for x in (*_sent(tid, f"0:{i}", i + 1), _done(f"0:{i}", i + 1.2))]
+    _write(tmp_path / "ledger" / "w0.jsonl", lines)
+    _write(tmp_path / "trajectories.jsonl", [{"event": "start", "version": 0}, _trained("a", 1), _trained("b", 2)])
+    assert check_ledger(tmp_path).ok
+    with open(tmp_path / "ledger" / "w0.jsonl", "a") as f:
+        f.write('not json at all\n{"event": "produced"}\n')
+    with open(tmp_path / "trajectories.jsonl", "a") as f:
+        f.write("[1, 2]\n")
+    report = check_ledger(tmp_path)
+    assert not report.ok and report.consumed == 2 and report.produced == 2
+    assert report.violations == [f"unreadable ledger line {tmp_path / 'ledger' / 'w0.jsonl'}:8",
+                                 f"unreadable ledger line {tmp_path / 'trajectories.jsonl'}:4"]  # fmt: skip
