@@ -104,8 +104,8 @@ class Batches:
                 raise NoProducers(
                     f"no rollout worker has been connected to the bus ({self.bus.bind}) for {alone:.0f} s while the "
                     f"learner waited for a batch of {self.n} ({len(self.held)} held): the workers died, never "
-                    "started, or dial another address (their logs say which); raise bus.producer_wait_s to wait "
-                    "longer, or 0 to wait for ever"
+                    "started, dial another address, or hold a key this bus does not authorize (bus.curve_*; their "
+                    "logs say which); raise bus.producer_wait_s to wait longer, or 0 to wait for ever"
                 )
             if waited - logged >= WAIT_LOG_S:
                 logged = waited
