@@ -130,8 +130,8 @@ def test_learner_step_updates_parameters_the_same_at_every_layout(tiny_hf_dir, f
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])  # qwen3: as llama, with
-# q/k norms (the parity tests cover both families at TP=2 and PP=2)
+@pytest.mark.slow  # the tier's budget; default-tier cover: the dense push test (a TP=2 learner step, then the
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # engines serve its log-probs) and the TP=2/PP=2 logit parity
 def test_a_dense_learner_step_is_the_same_at_tp2_and_pp2(family, tmp_path):
     """The dense families (issue 49; llama with tied embeddings, SmolLM2's layout): one SAO step (K=2 critic updates,
     the critic's attention frozen, its MLPs and head trained) moves the policy and the critic the same at TP=2 (with

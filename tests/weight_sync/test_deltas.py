@@ -80,8 +80,8 @@ def _twenty_pushes(hf_dir: str, delta_url: str, full_url: str, fp8_dir: str | No
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("engine_dtype", ["bf16", pytest.param("fp8", marks=pytest.mark.slow)])  # fp8: as bf16,
-# its buckets compared byte by byte (FP8 bytes and block scales); the default tier runs the bf16 case
+@pytest.mark.slow  # the tier's budget; default-tier cover: the missed/restarted test, whose delta pushes are each
+@pytest.mark.parametrize("engine_dtype", ["bf16", "fp8"])  # verified by checksum against what a full push sends
 def test_twenty_delta_pushes_leave_an_engine_bit_identical_to_a_full_push(
     start_engine: Any, tmp_path: Path, engine_dtype: str
 ) -> None:
@@ -277,6 +277,8 @@ def _through_agent(hf_dir: str, agent_url: str, full_url: str, port: int) -> dic
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # the tier's budget; default-tier cover: the agent's receiver is the embedded engine's (its
+# deltas tested in the default tier) and a run pushes through an agent end to end (tests/run/test_local_run.py)
 def test_a_push_agent_rebuilds_deltas_on_its_host_copy_and_hands_over_full_slices(
     start_engine: Any, tiny_hf_dir: Any, tmp_path: Path
 ) -> None:
@@ -311,7 +313,7 @@ def test_a_push_agent_rebuilds_deltas_on_its_host_copy_and_hands_over_full_slice
 
 
 @pytest.mark.multiproc
-@pytest.mark.slow  # default-tier cover: the agent's TP=2 ranks take the same sharded deltas (the test above)
+@pytest.mark.slow  # the same sharded deltas an agent's TP=2 ranks take (the test above, slow too)
 def test_a_tp2_engine_takes_sharded_deltas_rank_by_rank(start_engine: Any, tiny_hf_dir: Any) -> None:
     """An embedded TP=2 engine without an agent: each rank receives its block part as a delta over its block group
     (every rank's base is its own blocks) and commits; rank by rank it then holds what a TP=2 engine given full pushes
