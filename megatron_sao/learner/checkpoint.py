@@ -101,8 +101,14 @@ def _sharded_state(learner: Learner, is_loading: bool) -> dict[str, Any]:
             continue
         model_sd = model_sharded_state_dict(role.model, prefix=f"{role.role}.")  # canonical, spec-independent keys
         state[role.role] = model_sd
+        # A role that trains some layers and not others (learner.<role>.trainable naming layers) has optimizer state
+        # for part of each layer-stacked tensor, which the checkpoint refuses as an invalid access pattern: its
+        # optimizer state is keyed per layer instead. The rule depends on the patterns only, so a save and any later
+        # load (at any pipeline split) agree on it.
+        optim_sd = model_sd if not role.layer_selective else model_sharded_state_dict(
+            role.model, prefix=f"{role.role}.", per_layer=True)  # fmt: skip
         state[f"{role.role}_optimizer"] = role.optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata=OPTIMIZER_FORMAT
+            optim_sd, is_loading=is_loading, metadata=OPTIMIZER_FORMAT
         )
     rank, world = learner.layout.rank, learner.layout.world_size
     state["rng"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)

@@ -44,13 +44,39 @@ def _group(name: str) -> str:
     return ".".join(out)
 
 
-def select_trainable(model: torch.nn.Module, trainable: list[str], frozen: list[str]) -> TrainableReport:
-    """requires_grad = matches a `trainable` pattern and no `frozen` pattern (fnmatch over parameter names)."""
-    report = TrainableReport([], [], 0, 0)
+def global_parameter_names(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) with the decoder layer numbered as in the whole model (HF's and the checkpoint's numbering),
+    not as in this pipeline stage: `decoder.layers.26.mlp...` names the same layer at PP=1 and PP=2."""
+    layers = getattr(getattr(model, "decoder", None), "layers", None) or []
+    local_to_global = {f"decoder.layers.{i}.": f"decoder.layers.{layer.layer_number - 1}."
+                       for i, layer in enumerate(layers)}  # fmt: skip
+    named = []
     for name, p in model.named_parameters():
-        train = any(fnmatch.fnmatchcase(name, pat) for pat in trainable) and not any(
-            fnmatch.fnmatchcase(name, pat) for pat in frozen
-        )
+        if name.startswith("decoder.layers."):
+            local = ".".join(name.split(".")[:3]) + "."
+            name = local_to_global.get(local, local) + name[len(local) :]
+        named.append((name, p))
+    return named
+
+
+def trains(name: str, trainable: list[str], frozen: list[str]) -> bool:
+    """A parameter trains when its (global) name matches a `trainable` pattern and no `frozen` one."""
+    return any(fnmatch.fnmatchcase(name, pat) for pat in trainable) and not any(
+        fnmatch.fnmatchcase(name, pat) for pat in frozen
+    )
+
+
+def layer_selective(suffix: str, num_layers: int, trainable: list[str], frozen: list[str]) -> bool:
+    """Whether the patterns train the parameter `decoder.layers.<i>.<suffix>` in some layers and not in others (then
+    its optimizer state covers part of the layer-stacked checkpoint tensor: see learner/checkpoint.py)."""
+    return len({trains(f"decoder.layers.{i}.{suffix}", trainable, frozen) for i in range(num_layers)}) > 1
+
+
+def select_trainable(model: torch.nn.Module, trainable: list[str], frozen: list[str]) -> TrainableReport:
+    """requires_grad = trains(name): fnmatch over parameter names, layers numbered globally."""
+    report = TrainableReport([], [], 0, 0)
+    for name, p in global_parameter_names(model):
+        train = trains(name, trainable, frozen)
         p.requires_grad_(train)
         if train:
             report.trainable.append(name)
@@ -73,6 +99,9 @@ class RoleModel:
     """This rank's tensor-parallel rank (DistContext.tp_rank): which vocabulary slice the policy's logits hold."""
     routing: RoutingReplay | None = None
     """Its routers fed with the engine's routes (learner/routing.py): replaying or only measuring; None: neither."""
+    layer_selective: bool = False
+    """The trainable patterns train some decoder layers and not others (roles.layer_selective): its optimizer state
+    is checkpointed per layer (learner/checkpoint.py)."""
     optimizer_steps: int = 0
     applied_lr: float = 0.0
     """The learning rate of the last optimizer step (the scheduler has moved on to the next one's since)."""
@@ -185,7 +214,11 @@ def build_role(
     if recompute == "full":
         _grad_into_frozen_embedding(model)
     if report.trainable_numel == 0 and report.frozen_numel != 0:
-        logger.warning("%s: no trainable parameters on this rank (patterns %s)", role, optim.trainable)
+        layers = sorted({int(n.split(".")[2]) for n in report.frozen if n.startswith("decoder.layers.")})
+        where = f"layers {layers[0]}-{layers[-1]}" if layers else "no decoder layers"
+        raise ValueError(f"learner.{role}.trainable {optim.trainable} (less learner.{role}.frozen) trains nothing on "
+                         f"this rank ({where}): megatron's optimizer cannot hold or checkpoint an empty rank. Train "
+                         "at least one parameter on every pipeline stage, or lower parallel.pipeline")  # fmt: skip
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     ddp, optimizer = wrap_ddp_and_optimizer(model, config, optim, use_distributed_optimizer)
@@ -203,4 +236,6 @@ def build_role(
         wd_incr_steps=max(total_steps, 1),
         wd_incr_style="constant",
     )
-    return RoleModel(role, config, ddp, optimizer, scheduler, report, tp_rank, replay)
+    suffixes = {n.split(".", 3)[3] for n in report.trainable + report.frozen if n.startswith("decoder.layers.")}
+    selective = any(layer_selective(x, config.num_layers, optim.trainable, optim.frozen) for x in suffixes)
+    return RoleModel(role, config, ddp, optimizer, scheduler, report, tp_rank, replay, layer_selective=selective)

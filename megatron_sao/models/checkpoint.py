@@ -76,9 +76,12 @@ def drop_extra_state(sharded_sd: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in sharded_sd.items() if not is_extra_state(k)}
 
 
-def model_sharded_state_dict(model: Any, prefix: str = POLICY_PREFIX) -> dict[str, Any]:
-    """This rank's weights of `model` as canonical-keyed sharded tensors under `prefix` (save or load these)."""
-    return canonicalize_sharded_keys(drop_extra_state(model.sharded_state_dict(prefix=prefix)))
+def model_sharded_state_dict(model: Any, prefix: str = POLICY_PREFIX, per_layer: bool = False) -> dict[str, Any]:
+    """This rank's weights of `model` as canonical-keyed sharded tensors under `prefix` (save or load these).
+    per_layer: one key per decoder layer (`decoder.layers.<i>.…`, megatron's non-homogeneous layout) instead of the
+    layers stacked along a leading axis; families with mixed layers (a leading dense layer) are per layer anyway."""
+    metadata = {"non_homogeneous_layers": True} if per_layer else None
+    return canonicalize_sharded_keys(drop_extra_state(model.sharded_state_dict(prefix=prefix, metadata=metadata)))
 
 
 # ---------------------------------------------------------------- the record of the HF source

@@ -19,24 +19,27 @@ def _continue(learner, batches) -> list[dict[str, float]]:
     return [{k: m[k] for k in KEYS} for m in (learner.train_step(b) for b in batches)]
 
 
-def _save_then_resume(hf_dir: str, batches, ckpt: str, layouts: dict, dtype: str) -> dict:
+def _save_then_resume(hf_dir: str, batches, ckpt: str, layouts: dict, dtype: str, extra: tuple = ()) -> dict:
     from megatron_sao.distributed import destroy_distributed, init_distributed
     from megatron_sao.learner.checkpoint import load_checkpoint, save_checkpoint
     from megatron_sao.learner.learner import Learner
     from megatron_sao.models.shards import local_shards
 
     world = int(os.environ["WORLD_SIZE"])
-    cfg = learner_config(hf_dir, {}, world, dtype)
+    cfg = learner_config(hf_dir, {}, world, dtype, extra=extra)
     ctx = init_distributed(cfg.parallel, seed=5)
     learner = Learner(cfg, layout=ctx)
     learner.load_hf(hf_dir)
+    start = {"policy": local_shards(learner.policy.model), "value": local_shards(learner.value.model)}
     learner.train_step(batches[0])
     save_checkpoint(learner, ckpt, extra={"bus": {"watermark": 7}, "cursor": 3})
     out = {"uninterrupted": _continue(learner, batches[1:]), "shards": {}}
+    out["roles"] = {"start": start, "end": {"policy": local_shards(learner.policy.model),
+                                            "value": local_shards(learner.value.model)}}  # fmt: skip
     out["shards"]["uninterrupted"] = local_shards(learner.policy.model) + local_shards(learner.value.model)
     destroy_distributed(keep_process_group=True)
     for name, layout in layouts.items():
-        cfg = learner_config(hf_dir, layout, world, dtype)
+        cfg = learner_config(hf_dir, layout, world, dtype, extra=extra)
         ctx = init_distributed(cfg.parallel, seed=99)  # another seed: everything must come from the checkpoint
         learner = Learner(cfg, layout=ctx)
         extra = load_checkpoint(learner, ckpt)
@@ -77,6 +80,35 @@ def test_resume_is_bit_exact_at_the_same_layout_and_close_at_others(tiny_hf_dir,
         full = _full(per_rank, layout)
         worst = max(float((full[n] - uninterrupted[n]).abs().max()) for n in uninterrupted)
         assert worst < 1e-6, (layout, worst)
+
+
+@pytest.mark.multiproc
+def test_a_policy_that_trains_its_top_layer_only_saves_and_resumes_at_another_pipeline_split(tiny_hf_dir, tmp_path):
+    """Trainable patterns name layers globally (`decoder.layers.1.*` is the top layer whatever the pipeline split);
+    the optimizer state of a role that trains some layers' attention and not others' covers part of each
+    layer-stacked tensor and is checkpointed per layer, so the save is accepted and a PP=2 resume continues the run
+    (examples/smollm2_tools trains its top layers only)."""
+    hf_dir = str(tiny_hf_dir("qwen3"))
+    batches = [on_policy(make_batch(6, seed=s), hf_dir, seed=s) for s in (11, 12)]
+    top = ("--learner.policy.trainable", '["decoder.layers.1.*", "decoder.layers.0.mlp.*"]',
+           "--learner.value.trainable",
+           '["decoder.layers.1.mlp.*", "decoder.layers.0.mlp.linear_fc2.*", "output_layer.*"]')  # fmt: skip
+    per_rank = spawn_ranks(_save_then_resume, 2, hf_dir, batches, str(tmp_path / "ckpt"), {"pp2": {"pipeline": 2}},
+                           "fp32", top, timeout_s=600)  # fmt: skip
+    ref = per_rank[0]["uninterrupted"]
+    for step, (got, want) in enumerate(zip(per_rank[1]["pp2"]["metrics"], ref)):
+        for key in KEYS:
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (step, key)
+    uninterrupted, pp2 = _full(per_rank, "uninterrupted"), _full(per_rank, "pp2")
+    assert max(float((pp2[n] - uninterrupted[n]).abs().max()) for n in uninterrupted) < 1e-6
+    from megatron_sao.models.shards import assemble
+
+    for role, trained in (("policy", ("layers.1.", "layers.0.mlp.")),
+                          ("value", ("layers.1.mlp.", "layers.0.mlp.linear_fc2", "output_layer."))):  # fmt: skip
+        start, end = (assemble([s for r in per_rank for s in r["roles"][when][role]]) for when in ("start", "end"))
+        moved = {n for n in end if not torch.equal(end[n], start[n])}
+        expected = {n for n in end if any(t in n for t in trained) and (role == "policy" or "norm" not in n)}
+        assert moved == expected, (role, sorted(moved))  # the value role's norms stay frozen by default
 
 
 def test_loading_a_checkpoint_of_another_model_is_refused(tmp_path):
