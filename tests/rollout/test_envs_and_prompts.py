@@ -37,6 +37,25 @@ def test_arithmetic_episode_runs_the_tool_then_checks_the_answer() -> None:
     assert ep2.step("no idea").done and ep2.reward() == 0.0
 
 
+def test_arithmetic_worked_examples_come_before_the_question_and_are_right() -> None:
+    """`examples` (examples/smollm2_tools): the calculator called, its response and the answer, in the chat before
+    the question, each correct by the calculator itself; more examples than it has is refused, naming the field."""
+    from megatron_sao.rollout.envs.arithmetic import SYSTEM
+
+    env = make_env("arithmetic", {"examples": 2, "max_operand": 999})
+    (rec,) = env.make_prompts(1, seed=3)
+    chat = env.start(rec).messages
+    assert [m["role"] for m in chat] == ["system", *["user", "assistant", "tool", "assistant"] * 2, "user"]
+    assert chat[0]["content"] == SYSTEM and chat[-1]["content"] == rec["question"]
+    for user, call, response, answer in (chat[1:5], chat[5:9]):
+        played = env.start({"question": user["content"], "answer": 0})
+        assert played.step(call["content"]).observation == response["content"]
+        assert response["content"].replace("tool_response", "answer") == answer["content"]
+    assert make_env("arithmetic").start(rec).messages == [chat[0], chat[-1]]
+    with pytest.raises(ValueError, match="rollout.env.options.examples"):
+        make_env("arithmetic", {"examples": 3})
+
+
 def test_verifiable_answer_is_single_turn_with_normalized_match() -> None:
     env = make_env("verifiable_answer")
     ep = env.start({"id": "a", "question": "q", "answer": "Paris"})

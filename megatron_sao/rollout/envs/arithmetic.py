@@ -3,6 +3,11 @@
 The model may call the calculator with `<tool_call>EXPR</tool_call>`; the observation is
 `<tool_response>VALUE</tool_response>` (or an error text). It ends with `<answer>N</answer>`: reward 1.0 when N
 equals the problem's value, else 0.0. A turn with neither a tool call nor an answer ends the episode (reward 0).
+
+`examples` (0-2) puts that many worked problems into the chat before the question: the calculator called, its response,
+the answer. A pretrained instruct model that has never seen this format follows it in context (SmolLM2-135M-Instruct
+at temperature 1 calls the tool in about 7 of 10 episodes with two examples, in 1 of 30 with none), so RL starts from
+rewards above zero without a supervised warm start (examples/smollm2_tools).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ SYSTEM = (
     "Solve the arithmetic problem. You may call a calculator with <tool_call>expression</tool_call>. "
     "Give the final number as <answer>N</answer>."
 )
+# Worked problems (never made by make_prompts: two operands, none above 1000, a product and a difference).
+EXAMPLES = (("12 * 34", "408"), ("531 - 78", "453"))
 
 
 def calculate(expr: str, max_len: int = 200) -> float:
@@ -89,8 +96,21 @@ class ArithmeticEpisode(Episode):
 class ArithmeticEnv(Environment):
     name = "arithmetic"
 
-    def __init__(self, max_operand: int = 20, num_ops: int = 2) -> None:
-        self.max_operand, self.num_ops = max_operand, num_ops
+    def __init__(self, max_operand: int = 20, num_ops: int = 2, examples: int = 0) -> None:
+        if not 0 <= examples <= len(EXAMPLES):
+            raise ValueError(f"rollout.env.options.examples={examples}: the arithmetic environment has "
+                             f"{len(EXAMPLES)} worked examples; give 0 to {len(EXAMPLES)}")  # fmt: skip
+        self.max_operand, self.num_ops, self.examples = max_operand, num_ops, examples
+
+    def worked_examples(self) -> list[dict[str, str]]:
+        """The chat of `examples` worked problems, as the agent loop would have played them."""
+        chat: list[dict[str, str]] = []
+        for expr, value in EXAMPLES[: self.examples]:
+            chat += [{"role": "user", "content": f"Compute {expr}."},
+                     {"role": "assistant", "content": f"<tool_call>{expr}</tool_call>"},
+                     {"role": "tool", "content": f"<tool_response>{value}</tool_response>"},
+                     {"role": "assistant", "content": f"<answer>{value}</answer>"}]  # fmt: skip
+        return chat
 
     def make_prompts(self, n: int, seed: int = 0) -> list[dict[str, Any]]:
         rng = random.Random(seed)
@@ -106,6 +126,7 @@ class ArithmeticEnv(Environment):
     def start(self, prompt: dict[str, Any]) -> ArithmeticEpisode:
         messages = prompt.get("messages") or [
             {"role": "system", "content": SYSTEM},
+            *self.worked_examples(),
             {"role": "user", "content": prompt["question"]},
         ]
         return ArithmeticEpisode(messages=messages, metadata={"env": self.name}, answer=float(prompt["answer"]))
