@@ -44,7 +44,7 @@ from megatron_sao.learner.batch import StepBatch, check_trainable, make_step_bat
 from megatron_sao.learner.errors import NonFiniteTraining
 from megatron_sao.learner.forward import collect_values
 from megatron_sao.learner.metrics import all_reduce_scalar, explained_variance, reduce_metrics
-from megatron_sao.learner.packing import MicroBatch, pack_microbatches, plan_microbatches
+from megatron_sao.learner.packing import MicroBatch, check_eager_attention_memory, pack_microbatches, plan_microbatches
 from megatron_sao.learner.roles import RoleModel, build_role
 from megatron_sao.learner.step import ev_totals, first_action_tokens, policy_update, value_update
 from megatron_sao.models.builder import ModelSpec, uses_transformer_engine
@@ -132,6 +132,12 @@ class Learner:
         self.layout = layout
         self.spec = spec or ModelSpec.from_config(cfg.model)
         self.use_thd = uses_transformer_engine(self.spec)  # the same decision build_role's layer specs follow
+        if not self.use_thd:
+            arch = self.spec.family.architecture(self.spec.hf)
+            warning = check_eager_attention_memory(cfg.learner.max_tokens_per_microbatch, arch["num_layers"],
+                                                   arch["num_attention_heads"], cfg.parallel)  # fmt: skip
+            if warning and layout.is_rank0:
+                logger.warning(warning)
         learner, algo = cfg.learner, cfg.algo
         self.routes: Routes | None = None
         """The routes trajectories must carry (rollout.return_routed_experts): the policy replays or measures them."""

@@ -183,3 +183,32 @@ def pack_microbatches(
     plan = plan_microbatches([int(t.numel()) for t in batch.tokens], max_tokens)
     plan += [[] for _ in range(max(0, min_count - len(plan)))]
     return [build_microbatch(batch, rows, pad_multiple, use_thd, route_layers, top_k) for rows in plan]
+
+
+def check_eager_attention_memory(
+    max_tokens: int, num_layers: int, heads: int, parallel: Any, available: int | None = None, ranks: int | None = None
+) -> str | None:
+    """The local spec (no Transformer Engine: a CPU, or an fp32 model) attends over a packed micro-batch with an
+    eager [heads, S, S] score matrix per layer, kept for backward: memory grows with the square of
+    learner.max_tokens_per_microbatch (SmolLM2's 30 layers x 9 heads at 4096 tokens: 18 GB, and the kernel's OOM
+    killer ends the run without a word: 22.9 GB resident on a 24 GB machine). A warning naming the field and a size
+    that takes at most half of this rank's share of the free memory, when a full micro-batch would take more; None
+    otherwise. (Only a warning: micro-batches are packed from the step's trajectories, and short ones never fill
+    the budget.)"""
+    import os
+
+    import psutil
+
+    layers = -(-num_layers // parallel.pipeline)
+    per_token_pair = layers * max(heads // parallel.tensor, 1) * 4  # fp32 scores (softmax in fp32)
+    need = per_token_pair * max_tokens**2
+    ranks = ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    free = (available if available is not None else psutil.virtual_memory().available) // max(ranks, 1)
+    if need <= free // 2:
+        return None
+    fits = int((free // 2 / per_token_pair) ** 0.5) // 256 * 256
+    return (f"learner.max_tokens_per_microbatch={max_tokens}: eager attention (no Transformer Engine) keeps a "
+            f"{max_tokens} x {max_tokens} score matrix per head and layer for backward, about {need / 2**30:.1f} GiB "
+            f"here ({layers} layers x {per_token_pair // layers // 4} heads), against {free / 2**30:.1f} GiB free "
+            f"for this rank: a full micro-batch may be killed for memory without a word; set "
+            f"learner.max_tokens_per_microbatch to {max(fits, 256)} or less")  # fmt: skip

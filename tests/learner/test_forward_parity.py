@@ -94,3 +94,17 @@ def test_logprobs_and_values_match_across_layouts_and_transformers(tiny_hf_dir, 
     assert per_rank[0]["pp2"] is None  # first stage: no outputs
     logp, values = per_rank[1]["pp2"]
     assert torch.allclose(logp, ref_logp, atol=1e-5) and torch.allclose(values, ref_values, atol=1e-5)
+
+
+def test_a_microbatch_whose_eager_attention_cannot_fit_is_named_with_the_field_and_a_size_that_fits() -> None:
+    """The local spec's [heads, S, S] scores per layer (SmolLM2: 30 x 9 at 4096 tokens, about 17 GiB) were killed by
+    the OOM killer without a word; now the learner warns at start-up past half the free memory."""
+    from megatron_sao.learner.packing import check_eager_attention_memory
+
+    gib = 2**30
+    assert check_eager_attention_memory(1024, 30, 9, ParallelConfig(), available=21 * gib, ranks=1) is None
+    warned = check_eager_attention_memory(4096, 30, 9, ParallelConfig(), available=21 * gib, ranks=1)
+    assert warned and "16.9 GiB" in warned and "set learner.max_tokens_per_microbatch to 3072 or less" in warned
+    # pipeline stages hold fewer layers and tensor parallel ranks fewer heads; two ranks on one machine share it
+    assert check_eager_attention_memory(4096, 30, 9, ParallelConfig(pipeline=2, tensor=3), 21 * gib, 1) is None
+    assert check_eager_attention_memory(3072, 30, 9, ParallelConfig(), available=21 * gib, ranks=2)
