@@ -44,15 +44,16 @@ class TrajectoryReceiver:
         state: dict[str, Any] | None = None,
         admission_per_step: int | None = None,
         pretraining: Callable[[], bool] | None = None,
+        max_ahead: int | None = None,
     ) -> None:
         """`admission_per_step`: trajectories per policy version, for rollout admission (bus.admission with
         bus.max_staleness; None: producers start freely); `pretraining()`: True while takes train no policy version
-        (value pre-training), so they do not count towards one."""
+        (value pre-training), so they do not count towards one; `max_ahead`: see StalenessGate."""
         self.cfg = cfg
         self._counters = Counters(*_COUNTERS, *(f"rejected_{r.value}" for r in Reason))
         self._dedup = DedupState(cfg.dedup_recent_ids, cfg.max_streams)
         self._gate = StalenessGate(
-            current_version, cfg.max_staleness, cfg.stale_policy, cfg.stale_log_dir, cfg.stale_recent_ids
+            current_version, cfg.max_staleness, cfg.stale_policy, cfg.stale_log_dir, cfg.stale_recent_ids, max_ahead
         )
         self._inbox = Inbox()
         self._current_version = current_version

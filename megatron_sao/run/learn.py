@@ -308,9 +308,12 @@ class _Run:
             # rollout admission (bus.admission): the streaming arms' starts, granted so that each trajectory trains
             # within bus.max_staleness versions; the group arms' batches are bounded by the worker's batch gate
             per_step = None if cfg.algo.grouped else cfg.learner.trajectories_per_step
+            # a fallback resume brings back at most the versions of the checkpoints it fell back over (and those
+            # after the newest); a trajectory further ahead was made by no version of this run
+            ahead = (cfg.learner.fallback_checkpoints + 1) * cfg.learner.save_interval
             self.receiver = TrajectoryReceiver(cfg.bus, lambda: learner.version + self.taking_ahead,
                                                state=extra.get("bus"), admission_per_step=per_step,
-                                               pretraining=lambda: self.pretrain.active)  # fmt: skip
+                                               pretraining=lambda: self.pretrain.active, max_ahead=ahead)  # fmt: skip
         group = cfg.algo.rollouts_per_prompt if cfg.algo.grouped else None
         n = cfg.learner.trajectories_per_step
         self.batches = Batches(self.receiver, n, group, extra.get("held"), cfg.bus) if self.rank0 else None

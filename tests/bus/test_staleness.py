@@ -48,3 +48,17 @@ def test_a_trajectory_from_a_version_the_learner_does_not_hold_is_never_negative
     assert gate.admit(t) and t.extras["staleness"] == 0
     m = gate.metrics()
     assert m["ahead_of_learner"] == 1 and m["staleness_max"] == 0
+
+
+def test_a_trajectory_further_ahead_than_any_fallback_can_explain_is_refused_and_logged(tmp_path) -> None:
+    """Issue 46's probe: a producer claiming version 1,000,000 was accepted with staleness 0. Past `max_ahead` (the
+    learner passes (fallback_checkpoints + 1) x save_interval) no version of the run made it: refused, counted,
+    logged with what it was; within the bound a fallback's trajectories still train."""
+    gate = StalenessGate(lambda: 4, 2, "drop", str(tmp_path), 8, max_ahead=100)
+    assert gate.admit(traj(0, version=104))
+    assert not gate.admit(traj(1, version=1_000_000))
+    m = gate.metrics()
+    assert (m["ahead_of_learner"], m["ahead_refused"], m["staleness_max"]) == (1, 1, 0)
+    (line,) = [json.loads(x) for x in (tmp_path / LOG_NAME).read_text().splitlines()]
+    assert (line["trajectory_id"], line["action"], line["oldest_version"]) == ("w-1", "refused_ahead", 1_000_000)
+    assert list(gate.recent) == ["w-1"]
