@@ -195,3 +195,28 @@ def test_an_engine_with_a_key_answers_only_to_it(start_engine: Any, tiny_dirs: d
     assert len(owner.generate([1, 2, 3], {"max_new_tokens": 2, "ignore_eos": True}).output_ids) == 2
     owner.begin_weight_update()
     owner.end_weight_update()
+
+
+def test_a_pause_no_weight_update_follows_ends_after_the_session_timeout(tiny_dirs: dict[str, Path]) -> None:
+    """Issue 46 item 8: a foreign /pause_generation stopped training with no timeout. A pause that no weight-update
+    request follows for --weight-session-timeout seconds ends; a pause whose push is under way (a session open, or
+    updates still arriving) is left to the session's own timeout."""
+    from megatron_sao.engines.embedded.server import build_state
+
+    state = build_state(str(tiny_dirs["qwen3_moe"]), max_running=4, session_timeout_s=0.2)
+    try:
+        assert state.route("POST", "/pause_generation", {"mode": "in_place"})[0] == 200
+        assert not state.end_abandoned_pause(), "a pause ended before its lease"
+        time.sleep(0.3)
+        state.route("POST", "/update_weight_version", {"new_version": "1", "abort_all_requests": False})
+        assert not state.end_abandoned_pause(), "a pause whose trainer is still sending ended"
+        assert state.scheduler.paused_for() is not None
+        time.sleep(0.3)
+        assert state.end_abandoned_pause() and state.scheduler.paused_for() is None
+        assert not state.end_abandoned_pause()  # generating: nothing to end
+        assert state.route("POST", "/pause_generation", {"mode": "in_place"})[0] == 200
+        assert state.route("POST", "/begin_weight_update", {})[0] == 200
+        time.sleep(0.3)
+        assert not state.end_abandoned_pause(), "the session's pause is the session timeout's to end"
+    finally:
+        state.scheduler.stop()

@@ -126,6 +126,11 @@ class Scheduler:
             while self._in_step and not self._stopped:  # return at a token boundary: nothing runs after this
                 self._cv.wait(timeout=1.0)
 
+    def paused_for(self) -> float | None:
+        """Seconds since /pause_generation while paused; None when generating."""
+        with self._cv:
+            return None if self._paused_since is None else time.monotonic() - self._paused_since
+
     def resume(self) -> None:
         with self._cv:
             self._paused = False

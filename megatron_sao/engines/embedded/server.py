@@ -81,6 +81,7 @@ class EngineState:
         self.tp_size = tp_size
         self._shards: dict[str, Any] | None = None  # /weight_shards, once read
         self.api_key: str | None = None  # SGLang's --api-key: every endpoint but the probes needs it (engines/auth.py)
+        self.weight_activity = time.monotonic()  # the last weight-update request (a pause's lease counts from it)
 
     # Each route returns (status, JSON-able body or str).
     def route(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
@@ -128,6 +129,7 @@ class EngineState:
                         P.UPDATE_WEIGHTS_FROM_DISTRIBUTED, P.UPDATE_WEIGHTS_FROM_TENSOR, P.UPDATE_WEIGHT_VERSION,
                         *sessions)  # fmt: skip
         if path in weight_paths and method == "POST":
+            self.weight_activity = time.monotonic()
             return self._weights(path, body)
         return 404, {"error": {"message": f"{method} {path} is not served by the embedded engine "
                                           f"(following SGLang {self.protocol.version})"}}  # fmt: skip
@@ -142,6 +144,24 @@ class EngineState:
         while self.scheduler.alive():
             time.sleep(period_s)
             self.updater.expire_idle_session()
+            self.end_abandoned_pause()
+
+    def end_abandoned_pause(self) -> bool:
+        """A pause that no weight update followed for --weight-session-timeout seconds ends: whoever paused this
+        engine is not pushing (a trainer that died between its pause and its first update, or a client that only
+        paused), and generation would otherwise wait forever. A pause whose push is under way is the session's
+        (expire_idle_session). True when it resumed generation."""
+        paused = self.scheduler.paused_for()
+        timeout = self.updater.session_timeout_s
+        if paused is None or self.updater.session is not None:
+            return False
+        if min(paused, time.monotonic() - self.weight_activity) < timeout:
+            return False
+        log.warning("paused for %.0fs with no weight update since (--weight-session-timeout %.0fs): whoever paused "
+                    "this engine is not pushing; generation resumes on version %s", paused, timeout,
+                    self.scheduler.weight_version)  # fmt: skip
+        self.scheduler.resume()
+        return True
 
     @property
     def protocol(self) -> P.ServerProtocol:
