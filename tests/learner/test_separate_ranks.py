@@ -153,6 +153,7 @@ def _serial_steps(hf_dir: str, batches) -> dict:
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # tier budget; default cover: test_a_critic_on_its_own_ranks_updates_like_one_learner_holding_both
 def test_batches_handed_to_the_value_job_ahead_train_as_one_learner_holding_both(tiny_hf_dir):
     """Look-ahead (the value job gets step 2's batch before step 1's policy update, as a run does when the next
     batch is waiting): two steps update every parameter and report the losses of two serial steps."""
