@@ -124,6 +124,10 @@ class DeltaHeader:
 DELTA_BASE_INFO = "weight_delta_base"
 """/server_info's key (engines that take deltas): the weight version of the bases this engine keeps, or null (none:
 a first push, a restart, or a push that kept none); the learner sends a delta only against it."""
+WEIGHT_COMMITS_INFO = "weight_commits"
+"""The embedded engine's /server_info field: how many weight updates it has applied since it started. The learner
+records it after each push that landed; a count that moved without a push of its is weights changed under it
+(weight_sync/engines.py). SGLang shows none."""
 
 SAMPLING_PARAM_FIELDS = (
     "max_new_tokens",

@@ -32,7 +32,13 @@ import torch
 
 from megatron_sao.config.weight_sync import WeightSyncConfig
 from megatron_sao.engines.client import EngineError, SGLangClient
-from megatron_sao.engines.protocol import DELTA_BASE_INFO, SHARDED_BUCKET, ServerProtocol, checksum_device
+from megatron_sao.engines.protocol import (
+    DELTA_BASE_INFO,
+    SHARDED_BUCKET,
+    WEIGHT_COMMITS_INFO,
+    ServerProtocol,
+    checksum_device,
+)
 from megatron_sao.weight_sync.sender import (
     FLATTENED,
     Boxes,
@@ -102,6 +108,8 @@ class EngineSet:
         self.devices: dict[str, str] = {}  # url -> where it holds its weights: which hash its checksums use
         self.delta_base: int | None = None  # the version the sources' bases hold (the last push that kept them)
         self.delta: DeltaPlan | None = None  # this push's deltas
+        self.commits: dict[str, int] = {}  # url -> the weight updates it had applied when the last push landed
+        self.changed_under: list[str] = []  # engines whose weights changed since the last push without one of ours
 
     # ---- membership ---------------------------------------------------------------------------------------------
     def healthy(self) -> list[str]:
@@ -122,7 +130,27 @@ class EngineSet:
         for u in restarted:
             log.warning("weight sync: engine %s holds version %r, not the %d pushed to it: restarted; forming the "
                         "groups again", u, got.get(u), known[u])  # fmt: skip
-        return not restarted
+        return not restarted and not self._changed_under([u for u in known if u not in restarted])
+
+    def _changed_under(self, urls: list[str]) -> list[str]:
+        """The engines (of those that show /server_info weight_commits: the embedded engine and push agents) whose
+        weights changed since the last push of ours landed on them: someone else pushed (under any version). Each is
+        logged, counted in this push's sync/changed_under, and gets a whole push over groups formed again."""
+        counted = [u for u in urls if u in self.commits]
+        said = in_threads({u: (lambda u=u: self.clients[u].server_info()) for u in counted}, 30.0)
+        changed = []
+        for u in counted:
+            now = said.get(u).get(WEIGHT_COMMITS_INFO) if isinstance(said.get(u), dict) else None
+            if now is not None and now != self.commits[u]:
+                log.warning("weight sync: engine %s applied %d weight update(s) since the last push of this run "
+                            "landed on it: its weights changed under it; it gets a whole push", u,
+                            now - self.commits[u])  # fmt: skip
+                changed.append(u)
+                self.commits.pop(u)
+        if changed:
+            self.changed_under += changed
+            self.delta_base = None  # its bases may be anything now
+        return changed
 
     def plan(self) -> tuple[GroupSpec, bool]:
         """(the groups this push uses, whether they must be formed); WeightSyncError when no engine can take it."""
@@ -310,6 +338,13 @@ class EngineSet:
                 self.held[m.url] = version
             elif m.url in bad:
                 self.held.pop(m.url, None)
+            self.commits.pop(m.url, None)
+        if version is not None:  # what each engine that took this push has applied, to see later pushes not ours
+            shows = [self.clients[m.url] for m in spec.members if m.url not in bad and m.protocol.embedded]
+            said = self._each(shows, lambda c: c.server_info())
+            for url, answer in said.items():
+                if isinstance(answer, dict) and isinstance(answer.get(WEIGHT_COMMITS_INFO), int):
+                    self.commits[url] = answer[WEIGHT_COMMITS_INFO]
         # the sources' bases move to this version only when it landed on every engine (sync.py settles them alike)
         self.delta_base = version if self.delta is not None and version is not None and not bad else None
         staged = {m.url for m in spec.members if m.protocol.staged}

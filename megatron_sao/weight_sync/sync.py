@@ -319,6 +319,7 @@ class WeightSync:
         if bad:
             log.error("weight sync at version %d failed on %d of %d engines: %s", version, len(bad),
                       len(spec.members), "; ".join(f"{u}: {w}" for u, w in bad.items()))  # fmt: skip
+        changed_under, self.engines.changed_under = self.engines.changed_under, []
         return {
             "sync/seconds": time.monotonic() - t0,
             "sync/version": float(version),
@@ -327,6 +328,7 @@ class WeightSync:
             "sync/failed_engines": float(len(bad)),
             "sync/unverified": float(len(self.engines.unverified)),
             "sync/quarantined": float(len(self.engines.quarantined)),
+            "sync/changed_under": float(len(changed_under)),  # engines whose weights a push not ours changed
             "sync/buckets": float(sum(r.buckets for r in reports)),
             "sync/tensors": float(sum(r.tensors for r in reports)),
             "sync/bytes": float(sum(r.bytes for r in reports)),

@@ -107,6 +107,8 @@ def trainer(engine_url: str, model_dir: str, port: int) -> dict[str, Any]:
     again = {k: v * 0.5 for k, v in new.items()}
     out["again"] = session_push([client], again, 3, group, group_name="g2", flattened=True)[client.url]
     out["v_again"] = client.weight_version()
+    # weight_commits counts what was applied: the first session and this one; nothing refused, misaligned or cut
+    out["commits"] = client.server_info()[P.WEIGHT_COMMITS_INFO]
     mine = flat_bucket.overall_checksum({n: flat_bucket.tensor_checksum(t) for n, t in again.items()})
     out["checksum"] = (client.weights_checksum()["ranks"][0]["per_gpu_checksum"], mine)
     out["traffic"] = client.request("GET", P.SERVER_INFO)["weight_update_groups"]["g2"]
@@ -153,6 +155,7 @@ def test_session_push_is_staged_atomic_and_switches_mid_generation(start_engine:
     assert out["again"]["update"]["success"] and out["again"]["end"]["success"] and out["v_again"] == 3
     assert out["checksum"][0] == out["checksum"][1]
     assert out["traffic"]["tensors"] == len(out["traffic"]["names"]) > 0
+    assert out["commits"] == 2
 
 
 def legacy_trainer(engine_url: str, model_dir: str, port: int) -> dict[str, Any]:

@@ -32,8 +32,18 @@ class FakeEngine(SGLangClient):
         self.calls.append(name)
         return {"success": True, "message": "ok"}
 
+    commits: int | None = None  # the embedded engine's weight_commits (None: not shown, as SGLang)
+    held_version = 3
+
     def server_info(self) -> dict[str, Any]:
-        return {"version": self.version, "tp_size": 1, "dp_size": 1, "engine": self.engine}
+        info = {"version": self.version, "tp_size": 1, "dp_size": 1, "engine": self.engine}
+        return info if self.commits is None else {**info, "weight_commits": self.commits}
+
+    def weight_version(self) -> int:
+        return self.held_version
+
+    def health(self, timeout_s: float | None = None) -> bool:
+        return True
 
     def pause_generation(self, mode: str = "abort") -> Any:
         return self._ok(f"pause:{mode}")
@@ -388,3 +398,32 @@ def test_deltas_go_only_to_engines_that_take_them_and_only_against_a_base_every_
     engines.conclude(embedded, {URLS[0]: "end_weight_update: refused"}, touched=set(URLS), version=2)
     held.update(dict.fromkeys(URLS, 1))
     assert engines.delta_base is None and engines.deltas(embedded).base is None  # type: ignore[union-attr]
+
+
+def test_an_engine_whose_weights_a_push_not_ours_changed_is_counted_and_gets_a_whole_push() -> None:
+    """Issue 46 item 8: anyone with the key could push under the current weight_version and nothing noticed. The
+    embedded engine counts the updates it applied (/server_info weight_commits); one that moved since our last push
+    landed is logged, counted (sync/changed_under), its groups are formed again and the next push is whole."""
+    engines = _engines()
+    protocol = ServerProtocol("0.5.23", embedded=True)
+    spec = _spec(protocol)
+    a, b = URLS
+    for client in engines.clients.values():
+        client.commits = 5
+    engines.spec = spec
+    engines.delta = None
+    engines.conclude(spec, {}, touched={a, b}, version=3)
+    assert engines.commits == {a: 5, b: 5} and engines._same(list(URLS))
+    engines.delta_base = 3
+    engines.clients[a].commits = 6  # someone pushed into a
+    assert not engines._same(list(URLS)), "a changed engine must take a whole push over new groups"
+    assert engines.changed_under == [a] and engines.delta_base is None and a not in engines.commits
+    for client in engines.clients.values():
+        client.held_version = 4
+    engines.conclude(spec, {}, touched={a, b}, version=4)  # the whole push landed: a is counted again
+    assert engines.commits == {a: 6, b: 5} and engines._same(list(URLS))
+    # SGLang shows no count: nothing recorded, nothing claimed
+    sglang = _engines()
+    sglang.spec = _spec(ServerProtocol("0.5.23"))
+    sglang.conclude(sglang.spec, {}, touched=set(URLS), version=3)
+    assert sglang.commits == {} and sglang._same(list(URLS))

@@ -76,6 +76,7 @@ class Scheduler:
         # version switch) and time paused with requests to serve (/pause_generation until /continue_generation)
         self.boundary_s = 0.0
         self.paused_s = 0.0
+        self.weight_commits = 0  # weight updates applied since start (/server_info weight_commits)
         self._paused_since: float | None = None
         self.started = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
@@ -159,6 +160,7 @@ class Scheduler:
 
         def apply() -> None:
             self.updater.apply(update)
+            self.weight_commits += 1
             if update.weight_version is not None:
                 self.weight_version = update.weight_version
 

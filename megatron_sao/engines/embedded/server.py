@@ -180,6 +180,7 @@ class EngineState:
             "weight_update_order": list(self.updater.order[-ORDER_SHOWN:]),
             "live_weight_update_groups": sorted(self.updater.groups),  # joined and not destroyed
             P.DELTA_BASE_INFO: self.updater.delta_base,
+            P.WEIGHT_COMMITS_INFO: self.scheduler.weight_commits,
             "tp_ranks": self._rank_traffic() if self.tp_size > 1 else [],
         }
 
