@@ -42,8 +42,8 @@ def _save_then_resume(hf_dir: str, batches, ckpt: str, layouts: dict, dtype: str
         cfg = learner_config(hf_dir, layout, world, dtype, extra=extra)
         ctx = init_distributed(cfg.parallel, seed=99)  # another seed: everything must come from the checkpoint
         learner = Learner(cfg, layout=ctx)
-        extra = load_checkpoint(learner, ckpt)
-        out[name] = {"extra": extra, "version": learner.version, "metrics": _continue(learner, batches[1:])}
+        saved_extra = load_checkpoint(learner, ckpt)
+        out[name] = {"extra": saved_extra, "version": learner.version, "metrics": _continue(learner, batches[1:])}
         out["shards"][name] = local_shards(learner.policy.model) + local_shards(learner.value.model)
         destroy_distributed(keep_process_group=True)
     return out
