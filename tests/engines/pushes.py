@@ -53,10 +53,12 @@ def update(
     flattened: bool = False,
     declared_shapes: Mapping[str, list[int]] | None = None,
     send: bool = True,
+    send_declared: bool = True,
 ) -> dict[str, Any]:
     """One /update_weights_from_distributed to every engine while this rank broadcasts the tensors (declared with
-    `declared_shapes` where given: a wrong declaration the engine must drain and refuse). `send=False`: announce
-    only (for requests the engine refuses before receiving). Returns {url: answer or exception}."""
+    `declared_shapes` where given: a wrong declaration the engine must drain and refuse; zeros of the declared shapes
+    are sent, or with `send_declared=False` the tensors as they are). `send=False`: announce only (for requests the
+    engine refuses before receiving). Returns {url: answer or exception}."""
     names = list(tensors)
     if flattened:
         names = flat_bucket.aligned_order(names, lambda n: tensors[n].dtype)
@@ -67,10 +69,10 @@ def update(
                          weight_version=version, flush_cache=False,
                          load_format="flattened_bucket" if flattened else None) for c in clients]  # fmt: skip
     if send:
-        outgoing = [torch.zeros(s, dtype=tensors[n].dtype) if list(tensors[n].shape) != s else tensors[n].contiguous()
-                    for n, s in zip(names, shapes)]  # fmt: skip
+        outgoing = [torch.zeros(s, dtype=tensors[n].dtype) if send_declared and list(tensors[n].shape) != s
+                    else tensors[n].contiguous() for n, s in zip(names, shapes)]  # fmt: skip
         if flattened:
-            slots = flat_bucket.layout(names, [t.dtype for t in outgoing], shapes)
+            slots = flat_bucket.layout(names, [t.dtype for t in outgoing], [list(t.shape) for t in outgoing])
             buffer = torch.empty(flat_bucket.nbytes(slots), dtype=torch.uint8)
             for slot, t in zip(slots, outgoing):
                 flat_bucket.view(buffer, slot).copy_(t)

@@ -94,6 +94,15 @@ def trainer(engine_url: str, model_dir: str, port: int) -> dict[str, Any]:
     client.begin_weight_update()
     out["misaligned"] = _misaligned(client, odd)
     out["end_misaligned"] = in_thread(box, "end1", client.end_weight_update).join(60) or box["end1"]
+    # announced as half its rows, broadcast whole, per tensor and as a flat bucket: drained and refused (gloo ends a
+    # process whose posted buffer a message outgrows)
+    client.begin_weight_update()
+    halves = {PROBE: [int(new[PROBE].shape[0]) // 2, int(new[PROBE].shape[1])]}
+    whole = {PROBE: new[PROBE] * 5, names[0]: new[names[0]] * 5}
+    out["half"] = [update([client], whole, group, flattened=flat, declared_shapes=halves,
+                          send_declared=False)[client.url] for flat in (False, True)]  # fmt: skip
+    out["end_half"] = in_thread(box, "end3", client.end_weight_update).join(60) or box["end3"]
+    out["unchanged_after_half"] = all(torch.equal(_rows(client, n), new[n][:3].float()) for n in names)
     # cut in the middle: the trainer goes away after the first of three updates (its group is torn down)
     client.begin_weight_update()
     update([client], {n: new[n] * 4 for n in names[:half]}, group)
@@ -150,6 +159,8 @@ def test_session_push_is_staged_atomic_and_switches_mid_generation(start_engine:
     assert isinstance(out["misaligned"], EngineError) and "Unaligned" in str(out["misaligned"])
     # an update refused before receiving fails its session too: what the session staged otherwise never commits
     assert isinstance(out["end_misaligned"], EngineError) and "Unaligned" in str(out["end_misaligned"])
+    assert all(isinstance(a, EngineError) and a.status == 400 and "up_proj" in str(a) for a in out["half"]), out
+    assert isinstance(out["end_half"], EngineError) and out["unchanged_after_half"]
     assert isinstance(out["end_after_cut"], EngineError) and "no weight-update session" in str(out["end_after_cut"])
     assert out["unchanged_after_cut"] and out["v_after_cut"] == 1, "a cut push must leave the weights untouched"
     assert out["again"]["update"]["success"] and out["again"]["end"]["success"] and out["v_again"] == 3

@@ -54,11 +54,12 @@ class AgentReceiver(WeightUpdater):
         return torch.empty(nbytes, dtype=torch.uint8).share_memory_()  # the engine rank maps it, no copy
 
     def _broadcasts(self, group: Any, dtypes: list[torch.dtype], shapes: list[list[int]],
-                    slots: list[flat_bucket.Slot] | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
+                    slots: list[flat_bucket.Slot] | None,
+                    room: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
         if self.device.type == "cuda" and slots is None:
             raise WeightUpdateError("the push agent takes buckets (load_format 'sharded_bucket' or "
                                     "'flattened_bucket'), not one broadcast per tensor")  # fmt: skip
-        return super()._broadcasts(group, dtypes, shapes, slots)
+        return super()._broadcasts(group, dtypes, shapes, slots, room)
 
     def _land(self, group: Any, nbytes: int) -> torch.Tensor:
         if self.device.type != "cuda":

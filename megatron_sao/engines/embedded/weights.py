@@ -470,6 +470,7 @@ class WeightUpdater:
         # sharded_bucket: this rank's block of every tensor it holds split (as /weight_shards told the trainer)
         boxes = [load_format == SHARDED_BUCKET and self.box_of(n) is not None for n in names]
         received_shapes = [list(self.box_of(n)[1]) if b else s for n, s, b in zip(names, shapes, boxes)]  # type: ignore[index]
+        room = [self._room(n, d, s) for n, d, s in zip(names, parsed, received_shapes)]
         slots = None
         if load_format in (FLATTENED_BUCKET, SHARDED_BUCKET):
             try:
@@ -483,7 +484,7 @@ class WeightUpdater:
         wire: int | None = None
         try:
             if header is None:
-                received, buffers = self._broadcasts(group, parsed, shapes, slots)
+                received, buffers = self._broadcasts(group, parsed, shapes, slots, room)
             else:
                 assert slots is not None and part is not None
                 key = (str(load_format), *names)
@@ -619,18 +620,36 @@ class WeightUpdater:
             self._stage(session, update, names, TENSOR_ROUTE)
         return update
 
+    def _room(self, name: str, dtype: torch.dtype, shape: list[int]) -> int:
+        """Bytes to post for receiving `name`, announced as `dtype` of `shape`: that, or what the model's own tensor
+        would take where that is more. gloo ends the process (std::terminate in its I/O thread) when a message
+        outgrows the buffer posted for it, so a tensor announced smaller than the model's -- refused once received --
+        is drained into room for the one a sender most likely broadcasts, the model's own. A sender that announces
+        less than it sends in any other way still ends the engine: SGLang's protocol has no size handshake."""
+        announced = torch.Size(shape).numel() * dtype.itemsize
+        try:
+            view = resolve_in_memory(name, self.tensors).view(self.tensors)
+        except KeyError:
+            return announced
+        if tuple(view.shape) == tuple(shape):
+            return announced
+        return max(announced, view.numel() * max(dtype.itemsize, view.dtype.itemsize))
+
     def _broadcasts(
-        self, group: Any, dtypes: list[torch.dtype], shapes: list[list[int]], slots: list[flat_bucket.Slot] | None
+        self, group: Any, dtypes: list[torch.dtype], shapes: list[list[int]], slots: list[flat_bucket.Slot] | None,
+        room: list[int],
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
-        """(received tensors, the buffers they live in), broadcast from the group's rank 0."""
+        """(received tensors, the buffers they live in), broadcast from the group's rank 0 into `room` bytes per
+        tensor (see `_room`; a flat bucket gets their sum)."""
         if slots is not None:
-            buffer = self._land(group, flat_bucket.nbytes(slots))
+            buffer = self._land(group, max(flat_bucket.nbytes(slots), sum(room)))
             return [flat_bucket.view(buffer, s) for s in slots], [buffer]
         out, buffers = [], []
-        for dtype, shape in zip(dtypes, shapes):
-            buf = self._buffer(torch.Size(shape).numel() * dtype.itemsize)
-            tensor = buf.view(dtype).view(shape)
-            dist.broadcast(tensor, src=0, group=group)
+        for dtype, shape, nbytes in zip(dtypes, shapes, room):
+            size = torch.Size(shape).numel() * dtype.itemsize
+            buf = self._buffer(max(size, nbytes))
+            tensor = buf[:size].view(dtype).view(shape)
+            dist.broadcast(tensor if nbytes <= size else buf, src=0, group=group)
             out.append(tensor)
             buffers.append(buf)
         return out, buffers
