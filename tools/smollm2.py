@@ -146,10 +146,18 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--check", type=int, default=5, help="prompts whose logits are compared with the GGUF model's")
     p.add_argument("--force", action="store_true", help="make it again")
-    p.add_argument("--shape-only", type=Path, metavar="DIR",
-                   help="also copy the config and tokenizer, without weights, to DIR (to carry to a GPU machine)")
-    p.add_argument("--random-weights", type=Path, metavar="DIR",
-                   help="only fill DIR (made by --shape-only) with random weights of SmolLM2's shapes, and exit")
+    p.add_argument(
+        "--shape-only",
+        type=Path,
+        metavar="DIR",
+        help="also copy the config and tokenizer, without weights, to DIR (to carry to a GPU machine)",
+    )
+    p.add_argument(
+        "--random-weights",
+        type=Path,
+        metavar="DIR",
+        help="only fill DIR (made by --shape-only) with random weights of SmolLM2's shapes, and exit",
+    )
     args = p.parse_args()
     if args.random_weights is not None:
         print(random_weights(args.random_weights))
