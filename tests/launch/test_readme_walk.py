@@ -21,7 +21,7 @@ import pytest
 
 from megatron_sao.distributed.spawn import find_free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc, pytest.mark.timeout(2700)]  # venv + main job + tests
 REPO = Path(__file__).resolve().parents[2]
 
 
