@@ -470,7 +470,8 @@ class WeightUpdater:
         # sharded_bucket: this rank's block of every tensor it holds split (as /weight_shards told the trainer)
         boxes = [load_format == SHARDED_BUCKET and self.box_of(n) is not None for n in names]
         received_shapes = [list(self.box_of(n)[1]) if b else s for n, s, b in zip(names, shapes, boxes)]  # type: ignore[index]
-        room = [self._room(n, d, s) for n, d, s in zip(names, parsed, received_shapes)]
+        room = [torch.Size(s).numel() * d.itemsize if b else self._room(n, d, s)
+                for n, d, s, b in zip(names, parsed, received_shapes, boxes)]  # fmt: skip
         slots = None
         if load_format in (FLATTENED_BUCKET, SHARDED_BUCKET):
             try:
@@ -621,11 +622,13 @@ class WeightUpdater:
         return update
 
     def _room(self, name: str, dtype: torch.dtype, shape: list[int]) -> int:
-        """Bytes to post for receiving `name`, announced as `dtype` of `shape`: that, or what the model's own tensor
-        would take where that is more. gloo ends the process (std::terminate in its I/O thread) when a message
-        outgrows the buffer posted for it, so a tensor announced smaller than the model's -- refused once received --
-        is drained into room for the one a sender most likely broadcasts, the model's own. A sender that announces
-        less than it sends in any other way still ends the engine: SGLang's protocol has no size handshake."""
+        """Bytes to post for receiving `name` whole, announced as `dtype` of `shape`: that, or what the model's own
+        tensor would take where that is more (a block of a sharded bucket gets its block's bytes, which this rank's
+        table sets for sender and receiver alike). gloo ends the process (std::terminate in its I/O thread) when a
+        message outgrows the buffer posted for it, so a tensor announced smaller than the model's -- refused once
+        received -- is drained into room for the one a sender most likely broadcasts, the model's own. A sender that
+        announces less than it sends in any other way still ends the engine: SGLang's protocol has no size
+        handshake."""
         announced = torch.Size(shape).numel() * dtype.itemsize
         try:
             view = resolve_in_memory(name, self.tensors).view(self.tensors)
