@@ -54,16 +54,17 @@ def update(
     declared_shapes: Mapping[str, list[int]] | None = None,
     send: bool = True,
     send_declared: bool = True,
+    declared_dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> dict[str, Any]:
     """One /update_weights_from_distributed to every engine while this rank broadcasts the tensors (declared with
-    `declared_shapes` where given: a wrong declaration the engine must drain and refuse; zeros of the declared shapes
-    are sent, or with `send_declared=False` the tensors as they are). `send=False`: announce only (for requests the
-    engine refuses before receiving). Returns {url: answer or exception}."""
+    `declared_shapes` and `declared_dtypes` where given: a wrong declaration the engine must drain and refuse; zeros of
+    the declared shapes are sent, or with `send_declared=False` the tensors as they are). `send=False`: announce only
+    (for requests the engine refuses before receiving). Returns {url: answer or exception}."""
     names = list(tensors)
     if flattened:
         names = flat_bucket.aligned_order(names, lambda n: tensors[n].dtype)
     shapes = [list((declared_shapes or {}).get(n, list(tensors[n].shape))) for n in names]
-    dtypes = [flat_bucket.dtype_name(tensors[n].dtype) for n in names]
+    dtypes = [flat_bucket.dtype_name((declared_dtypes or {}).get(n, tensors[n].dtype)) for n in names]
     box: dict[str, Any] = {}
     threads = [in_thread(box, c.url, c.update_weights_from_distributed, names, dtypes, shapes, group_name=group_name,
                          weight_version=version, flush_cache=False,

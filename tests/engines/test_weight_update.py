@@ -94,13 +94,16 @@ def trainer(engine_url: str, model_dir: str, port: int) -> dict[str, Any]:
     client.begin_weight_update()
     out["misaligned"] = _misaligned(client, odd)
     out["end_misaligned"] = in_thread(box, "end1", client.end_weight_update).join(60) or box["end1"]
-    # announced as half its rows, broadcast whole, per tensor and as a flat bucket: drained and refused (gloo ends a
-    # process whose posted buffer a message outgrows)
+    # announced as half its rows (per tensor and as a flat bucket) or as bf16, broadcast whole in fp32: drained and
+    # refused (gloo ends a process whose posted buffer a message outgrows)
     client.begin_weight_update()
     halves = {PROBE: [int(new[PROBE].shape[0]) // 2, int(new[PROBE].shape[1])]}
     whole = {PROBE: new[PROBE] * 5, names[0]: new[names[0]] * 5}
     out["half"] = [update([client], whole, group, flattened=flat, declared_shapes=halves,
                           send_declared=False)[client.url] for flat in (False, True)]  # fmt: skip
+    out["half"].append(
+        update([client], whole, group, declared_dtypes={PROBE: torch.bfloat16}, send_declared=False)[client.url]
+    )  # fp32 sent as announced bf16: half the bytes
     out["end_half"] = in_thread(box, "end3", client.end_weight_update).join(60) or box["end3"]
     out["unchanged_after_half"] = all(torch.equal(_rows(client, n), new[n][:3].float()) for n in names)
     # cut in the middle: the trainer goes away after the first of three updates (its group is torn down)

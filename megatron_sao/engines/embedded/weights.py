@@ -625,16 +625,16 @@ class WeightUpdater:
         """Bytes to post for receiving `name` whole, announced as `dtype` of `shape`: that, or what the model's own
         tensor would take where that is more (a block of a sharded bucket gets its block's bytes, which this rank's
         table sets for sender and receiver alike). gloo ends the process (std::terminate in its I/O thread) when a
-        message outgrows the buffer posted for it, so a tensor announced smaller than the model's -- refused once
-        received -- is drained into room for the one a sender most likely broadcasts, the model's own. A sender that
-        announces less than it sends in any other way still ends the engine: SGLang's protocol has no size
-        handshake."""
+        message outgrows the buffer posted for it, so a tensor announced smaller than the model's (its shape or its
+        dtype; refused once received) is drained into room for the one a sender most likely broadcasts, the model's
+        own. A sender that announces less than it sends in any other way still ends the engine: SGLang's protocol has
+        no size handshake."""
         announced = torch.Size(shape).numel() * dtype.itemsize
         try:
             view = resolve_in_memory(name, self.tensors).view(self.tensors)
         except KeyError:
             return announced
-        if tuple(view.shape) == tuple(shape):
+        if tuple(view.shape) == tuple(shape) and view.dtype == dtype:
             return announced
         return max(announced, view.numel() * max(dtype.itemsize, view.dtype.itemsize))
 
