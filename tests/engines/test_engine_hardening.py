@@ -97,6 +97,23 @@ def test_a_client_that_stops_sending_is_dropped_after_the_read_timeout(tiny_dirs
         state.scheduler.stop()
 
 
+def test_a_client_gone_before_its_answer_leaves_no_traceback(engine_url: str, capfd: pytest.CaptureFixture) -> None:
+    """Clients that reset their connection right after sending: the engine answers the next client and prints
+    nothing (socketserver printed a ConnectionResetError traceback per such client)."""
+    u = urlparse(engine_url)
+    body = _generate(16, temperature=0.0)
+    for _ in range(3):
+        s = socket.create_connection((u.hostname, u.port))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # close = RST
+        head = f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
+        s.sendall(head.encode() + b"\r\n\r\n" + body)
+        s.close()
+    assert _post(engine_url, _generate(16, temperature=0.0))[0] == 200
+    time.sleep(0.5)  # the three answers were due with the fourth's (one batch)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "ConnectionResetError" not in err, err[-2000:]
+
+
 def test_a_text_that_cannot_fit_is_refused_before_tokenizing(engine_url: str) -> None:
     body = json.dumps({"text": "word " * 1_000_000, "sampling_params": {"max_new_tokens": 1}}).encode()  # 5 MB
     status, out = _post(engine_url, body)

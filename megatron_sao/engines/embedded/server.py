@@ -424,8 +424,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "text/plain" if isinstance(out, str) else "application/json")
         self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError, TimeoutError) as e:  # the client left before its answer
+            log.debug("%s %s: the client went away before its %d answer (%r)", self.command, self.path, status, e)
 
     def do_GET(self) -> None:
         self._serve("GET")
