@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from megatron_sao.bus import protocol
 from megatron_sao.bus.admission import StartBook
@@ -25,6 +26,18 @@ from megatron_sao.bus.spool import Spool, SpoolCorrupt
 from megatron_sao.config.bus import BusConfig
 
 log = logging.getLogger(__name__)
+
+HANDSHAKE_FAILURES = 1
+"""Failed security handshakes in a row before the sender gives up: a key the receiver refuses, a server key that is
+not the receiver's or a security mechanism it does not share never heals, and libzmq does not retry the handshake of a
+connection it refused (a sender would wait forever)."""
+_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)  # fmt: skip
+
+
+class BusHandshakeError(RuntimeError):
+    """The receiver answers but never completes the CURVE handshake: the keys do not match."""
+
 
 UNSENT, SENT, RECEIVED = 0, 1, 2
 _EVENTS, _POLLIN, _NOBLOCK, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK), int(zmq.SNDMORE)
@@ -110,16 +123,28 @@ class SenderIO:
         self.hello_sent = False
         self.last_ping = -float("inf")
         self.inflight: deque[tuple[float, int]] = deque()  # (sent_at, seq) of data not yet receipt-acked
+        self.failed_handshakes = 0  # in a row, since the last that succeeded
 
     # ---- the loop ----------------------------------------------------------------------------------------------
 
     def loop(self, wake_rx: zmq.Socket) -> None:
+        monitor = self.sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+        try:
+            self._loop(wake_rx, monitor)
+        finally:
+            self.sock.disable_monitor()
+            monitor.close(linger=0)
+
+    def _loop(self, wake_rx: zmq.Socket, monitor: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(wake_rx, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         tick_ms = min(self.cfg.heartbeat_s / 2, 0.1) * 1000
         while True:
             ready = dict(poller.poll(tick_ms))
+            if monitor in ready:
+                self._on_handshake(recv_monitor_message(monitor)["event"])
             if wake_rx in ready:
                 wake_rx.recv()  # exactly one: the caller sends only while wake_pending was False
                 with self.outbox.cv:
@@ -132,6 +157,25 @@ class SenderIO:
             self._housekeeping(time.monotonic())
             if self.welcomed:
                 self._send_data()
+
+    def _on_handshake(self, event: int) -> None:
+        """A security handshake's outcome; HANDSHAKE_FAILURES failures in a row end the sender (BusHandshakeError):
+        a receiver that is reachable but refuses the keys would otherwise be retried forever in silence."""
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.failed_handshakes = 0
+            return
+        self.failed_handshakes += 1
+        if self.failed_handshakes >= HANDSHAKE_FAILURES:
+            key = self.cfg.curve_server_public_key
+            mine = (f"The producer's copy of the server's public key (bus.curve_server_public_key: {key}) must be the "
+                    "learner's and its client public key must be in the learner's bus.curve_client_keys_dir"
+                    if key else "The producer has no CURVE keys (bus.curve off, or no key files given) while the "
+                    "learner's bus requires them: bus.curve must be the same on both sides")  # fmt: skip
+            raise BusHandshakeError(
+                f"bus: the security handshake with {self.cfg.connect_address} failed: "
+                f"the learner's bus is there but does not take this producer's keys. {mine}. A run makes its own "
+                "keys in <launch.run_dir>/bus_keys, or generate them with `python tools/bus_keygen.py`"
+            )
 
     def _housekeeping(self, now: float) -> None:
         if not self.welcomed:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -11,6 +12,8 @@ import pytest
 import zmq
 
 from megatron_sao.bus import TrajectoryReceiver, TrajectorySender
+from megatron_sao.bus.auth import generate_keypair
+from megatron_sao.bus.sender_io import BusHandshakeError
 from tests.bus.helpers import fast_cfg, free_addr, traj, wait_for
 from tests.bus.rawclient import RawClient
 
@@ -58,7 +61,8 @@ def test_unauthorized_key_and_plain_clients_get_nothing_through(keys: Path) -> N
     with TrajectoryReceiver(server) as r:
         intruders = [TrajectorySender(evil, "evil"), TrajectorySender(plain, "plain")]
         for s in intruders:
-            s.send(traj(0, worker=s.worker_id), timeout_s=5)
+            with contextlib.suppress(RuntimeError):  # it may have given up already (checked below)
+                s.send(traj(0, worker=s.worker_id), timeout_s=5)
         raw = RawClient(server.bind, hello=False)
         raw.send_raw([raw.data_envelope(), b"junk"], with_credit=False)
         wait_for(lambda: r.metrics().get("auth_failed", 0) >= 1, what="ZAP refusal")
@@ -67,10 +71,28 @@ def test_unauthorized_key_and_plain_clients_get_nothing_through(keys: Path) -> N
         assert r.recv(timeout_s=0.5) is None
         m = r.metrics()
         assert m["received"] == 0 and m["rejected"] == 0 and m.get("hellos", 0) == 0  # nothing reached the app
-        assert all(not s.flush(0.2) for s in intruders)
-        for s in intruders:
+        for s, why in zip(intruders, ("curve_client_keys_dir", "bus.curve off")):  # each gives up, saying why
+            with pytest.raises(RuntimeError) as failed:
+                s.send(traj(1, worker=s.worker_id), timeout_s=5)
+                s.flush(30)
+            assert isinstance(failed.value.__cause__, BusHandshakeError) and why in str(failed.value.__cause__)
             s.close()
         raw.close()
+
+
+def test_a_producer_holding_another_server_key_gives_up_naming_the_key(keys: Path, tmp_path: Path) -> None:
+    """A valid key that is not the learner's: the handshake can never complete, so the producer stops retrying after
+    HANDSHAKE_FAILURES failures in a row, naming the key file (it used to retry forever in silence)."""
+    other = str(generate_keypair(tmp_path, "another_learner")[0])
+    server, producer = _cfgs(keys, "good")
+    wrong = producer.model_copy(update={"curve_server_public_key": other})
+    with TrajectoryReceiver(server), TrajectorySender(wrong, "good") as s:
+        started = time.monotonic()
+        with pytest.raises(RuntimeError) as failed:  # at the send, or at the flush when the send came first
+            s.send(traj(0), timeout_s=5)
+            s.flush(30)
+        assert time.monotonic() - started < 30
+        assert isinstance(failed.value.__cause__, BusHandshakeError) and other in str(failed.value.__cause__)
 
 
 def test_missing_key_files_are_config_errors_with_a_fix(tmp_path: Path, keys: Path) -> None:
