@@ -129,8 +129,7 @@ class TrajectorySender:
         """
         if self._closed:
             raise RuntimeError("TrajectorySender is closed")
-        if self._outbox.error is not None:
-            raise RuntimeError("bus sender I/O thread failed; see the log") from self._outbox.error
+        self._check_io()
         if self.cfg.validate_on_send:
             traj.validate()
         else:
@@ -169,6 +168,7 @@ class TrajectorySender:
         appears; ask again then."""
         if k < 0 or floor < 0:
             raise ValueError(f"take_starts(k={k}, floor={floor}): both must be >= 0")
+        self._check_io()
         ob = self._outbox
         with ob.cv:
             if ob.starts is None:
@@ -195,6 +195,7 @@ class TrajectorySender:
                 if remaining <= 0:
                     return
                 ob.cv.wait(remaining)
+        self._check_io()
 
     @property
     def admitting(self) -> bool | None:
@@ -203,7 +204,13 @@ class TrajectorySender:
         producer). None: configured, but no receiver answered yet (wait: nothing can be sent either)."""
         if not self.cfg.admission or self.cfg.max_staleness is None:
             return False
+        self._check_io()
         return self._io.admits
+
+    def _check_io(self) -> None:
+        """Raise the I/O thread's failure (a refused handshake, a broken socket) to the producer's thread."""
+        if self._outbox.error is not None:
+            raise RuntimeError(f"bus sender I/O thread failed: {self._outbox.error}") from self._outbox.error
 
     def _has_room(self, nbytes: int, slack: int) -> bool:
         ob = self._outbox
@@ -221,8 +228,7 @@ class TrajectorySender:
         or, without `why` (flush), return False."""
         ob = self._outbox
         while not ready():
-            if ob.error is not None:
-                raise RuntimeError("bus sender I/O thread failed; see the log") from ob.error
+            self._check_io()
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 if why is None:
