@@ -1,7 +1,7 @@
-"""The bus is authenticated by default (issue 31, item 4): a run with the default config makes its own CURVE keys in
-the run dir (owner-only), every role uses them, and a process that connects a TrajectorySender without them gets
-nothing trained -- its handshakes are counted (bus/handshake_failed: it speaks no CURVE; bus/auth_failed: an unknown
-key) -- while the run trains as usual."""
+"""The bus is authenticated by default (issue 31, item 4): a run with the default config makes its own CURVE keys in the
+run dir (owner-only), every role uses them, and a process that connects a TrajectorySender without them gets nothing
+trained -- its sender stops with BusHandshakeError, its handshakes are counted (bus/handshake_failed: it speaks no
+CURVE; bus/auth_failed: an unknown key) -- while the run trains as usual."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from megatron_sao.bus import TrajectorySender
+from megatron_sao.bus.sender_io import BusHandshakeError
 from tests.bus.helpers import fast_cfg, traj
 from tests.run.test_arms import REPO, _cmd, _env, assert_ledger_ok
 
@@ -31,13 +32,18 @@ def test_a_foreign_sender_gets_nothing_trained_with_the_default_config(tiny_hf_d
             assert run.poll() is None and time.monotonic() < deadline, run.communicate()
             time.sleep(0.5)
         intruder = TrajectorySender(fast_cfg(bind, connect=bind, spool_dir=None), "intruder")
+        refused_at_send: BaseException | None = None
         try:
-            for i in range(8):
-                intruder.send(traj(i, worker="intruder"), timeout_s=0.5)  # made-up trajectories, reward 1.0
-        except TimeoutError:
-            pass  # never admitted: no credit ever comes
+            for i in range(20):
+                try:
+                    intruder.send(traj(i, worker="intruder"), timeout_s=0.5)  # made-up trajectories, reward 1.0
+                except TimeoutError:
+                    continue  # never admitted: no credit ever comes
+        except RuntimeError as failed:  # the producer hears the refused handshake (issue 46) instead of waiting
+            refused_at_send = failed.__cause__
         finally:
             intruder.close()
+        assert isinstance(refused_at_send, BusHandshakeError), refused_at_send
         out, err = run.communicate(timeout=600)
     finally:
         if run.poll() is None:
