@@ -65,7 +65,7 @@ from experiments.harness import (
     save_figure,
     warm_agentic_model,
 )
-from experiments.stats import paired_bootstrap, seeds_needed
+from experiments.stats import Criterion, judge, verdict_lines
 
 HOPS = 3
 MISTAKE_RATE = 0.12
@@ -86,13 +86,11 @@ COLORS = {"running_mean": "C3", "grpo": "C1", "dr_grpo": "C8", "oracle_mc": "C7"
           "sao_lowlam": "C9", "sao_whiten": "C4"}  # fmt: skip
 PRIMARY = "eval/success_rate"
 """Of the sampled evaluation: the share of held-out samples solved."""
-CRITERIA = (  # name, arm a, arm b, the margin the interval must clear, the effect the power analysis sizes for
-    ("GATE", "oracle_td", "running_mean", 0.0, 0.04),
-    ("H1", "sao", "running_mean", 0.0, 0.04),
-    ("H2", "sao", "grpo", -0.03, 0.03),
+CRITERIA = (
+    Criterion("GATE", "oracle_td", "running_mean", margin=0.0, effect=0.04, min_mean=0.04),
+    Criterion("H1", "sao", "running_mean", margin=0.0, effect=0.04),
+    Criterion("H2", "sao", "grpo", margin=-0.03, effect=0.03),
 )
-MIN_SEEDS = 3
-"""A criterion gets a verdict only from at least this many paired seeds (the pilot)."""
 QUICK = {"seeds": 1, "tokens": 6000, "tool_latency": 0.05, "pretrain_samples": 16, "eval_prompts": 16,
          "arms": "running_mean,oracle_td,sao"}  # fmt: skip
 
@@ -129,40 +127,9 @@ def per_seed(run: Run, window: int) -> dict[str, Any]:
     }
 
 
-def criteria(by_arm: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Each pre-registered comparison on the seeds both arms ran: the paired difference, its interval, whether it
-    holds, and the seeds a power-0.8 test of its effect needs (from these seeds' spread)."""
-    out = []
-    for name, a, b, margin, effect in CRITERIA:
-        if a not in by_arm or b not in by_arm:
-            continue
-        pairs = {s["seed"]: s["held_out"] for s in by_arm[a] if s["held_out"] is not None}
-        both = [(pairs[s["seed"]], s["held_out"]) for s in by_arm[b]
-                if s["seed"] in pairs and s["held_out"] is not None]  # fmt: skip
-        if not both:
-            continue
-        diff = paired_bootstrap([x for x, _ in both], [y for _, y in both])
-        need = seeds_needed([x - y for x, y in both], effect) if len(both) >= 2 else None
-        # no verdict from fewer seeds than the pilot's: one or two seeds' interval is no interval
-        holds = None if diff.n < MIN_SEEDS else diff.low > margin and (name != "GATE" or diff.mean >= effect)
-        out.append({"name": name, "a": a, "b": b, "margin": margin, "effect": effect, "mean": diff.mean,
-                    "low": diff.low, "high": diff.high, "n": diff.n, "holds": holds, "seeds_needed": need})  # fmt: skip
-    return out
-
-
-VERDICT = {True: "holds", False: "does not hold", None: f"no verdict (fewer than {MIN_SEEDS} seeds)"}
-
-
 def verdict(found: list[dict[str, Any]]) -> str:
-    lines = []
+    lines = verdict_lines(found)
     gate = next((c for c in found if c["name"] == "GATE"), None)
-    for c in found:
-        need = f"; power 0.8 for {c['effect']:.2f} needs {c['seeds_needed']} seeds" if c["seeds_needed"] else ""
-        clause = f"mean >= {c['effect']:.2f} and interval above 0" if c["name"] == "GATE" else \
-            f"interval above {c['margin']:+.2f}"  # fmt: skip
-        lines.append(f"- **{c['name']}** `{c['a']}` - `{c['b']}` = {c['mean']:+.3f} [{c['low']:+.3f}, "
-                     f"{c['high']:+.3f}] over {c['n']} paired seeds ({clause}): "
-                     f"**{VERDICT[c['holds']]}**{need}")  # fmt: skip
     if gate is not None and gate["holds"] is False:
         lines.append("- The gate does not hold: at this scale the task leaves a critic no measurable room, so H1 and "
                      "H2 are not tested on it (their numbers above are shown, not claimed).")  # fmt: skip
@@ -231,7 +198,7 @@ def main() -> None:
             runs[arm].append(run_arm(spec(arm, seed, args), args.runs / f"{arm}-s{seed}",
                                      log=lambda m: print(m, flush=True)))  # fmt: skip
     by_arm = {arm: [per_seed(r, args.window) for r in rs] for arm, rs in runs.items()}
-    found = criteria(by_arm)
+    found = judge(CRITERIA, by_arm)
     text = table(by_arm) + "\n\n" + (verdict(found) or "- (no pre-registered comparison among the arms run)")
     print(text, flush=True)
     png = args.figures / f"credit{suffix}.png"

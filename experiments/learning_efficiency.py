@@ -1,18 +1,33 @@
 #!/usr/bin/env python
 """Learning efficiency: sao, grpo (synchronous), grpo_async (one-step-off) and running_mean on the agentic main
-task, the same generated-token budget per run, several seeds: reward against wall time and against generated
-tokens (mean and spread over seeds), and per arm the time and tokens to reach a stated reward level.
+task, the same generated-token budget per run, seeds paired across arms.
 
 Every run starts from the main job's warm-started tiny MoE (cached under runs/experiments/warm_agentic) on
 key_chain (1-6 lookups, long-tailed; each lookup takes --tool-latency seconds), through the real engine, worker,
 bus and learner (experiments/harness.py). Settings common to the arms: 16 trajectories per step (grpo arms: 4
-prompts x G=4), concurrency 16, bus.max_staleness 4, weights pushed after every step; sao pre-trains its critic
-on --pretrain-samples trajectories first (their tokens and time count). Seeds interleave (sao, grpo, ... for seed
-0, then seed 1, ...) so a noisy neighbour hits every arm alike. Prints a table, writes the raw runs under
-runs/experiments/agentic/, the figure and JSON under docs/results/, and the table into docs/results.md.
+prompts x G=4), concurrency 16, bus.max_staleness 4 with rollout admission (the default: nothing generated is
+dropped as stale), weights pushed after every step; sao pre-trains its critic on --pretrain-samples trajectories
+first (their tokens and time count). Seeds interleave (sao, grpo, ... for seed 0, then seed 1, ...) so a noisy
+neighbour hits every arm alike.
 
-    python experiments/learning_efficiency.py            # 4 arms x 3 seeds x 10000 tokens, ~35 min on 2 CPUs
-    python experiments/learning_efficiency.py --quick    # 1 seed, 400 tokens: the pipeline end to end, ~3 min
+The measure (primary, issue 47): the on-policy held-out success of the checkpoint each run stops at when its budget
+is spent, on --eval-prompts prompts never trained on, sampled (4 samples each, temperature 1), greedy pass@1 beside
+it; not charged to the budget. Secondary: the reward of trained trajectories (rolling mean), the wall time to the
+budget, the share of generated tokens trained.
+
+Pre-registered criteria (written 2026-12-07 before the runs with admission and held-out evaluation; differences are
+95% paired bootstrap intervals over seeds, experiments/stats.py):
+  E1  sao - grpo (held-out) > -0.03: SAO no worse per generated token than synchronous GRPO, value pre-training
+      charged (the interval's lower end above -0.03).
+  E2  sao - running_mean (held-out) > 0: the critic adds to a streaming baseline of the last rewards.
+  E3  grpo - sao (wall seconds to the budget) > 0: streaming spends the same tokens sooner.
+With 3 seeds (the pilot) the script also prints the seeds a power-0.8 test of each effect needs (0.03, 0.04, 10 s).
+
+Prints a table, writes the raw runs under runs/experiments/agentic/, the figure and JSON under docs/results/, and
+the table into docs/results.md.
+
+    python experiments/learning_efficiency.py            # 4 arms x 3 seeds x 10000 tokens, ~70 min on 2 CPUs
+    python experiments/learning_efficiency.py --quick    # 1 seed, 2500 tokens, 16 eval prompts: the pipeline
 """
 
 from __future__ import annotations
@@ -44,6 +59,7 @@ from experiments.harness import (
     save_figure,
     warm_agentic_model,
 )
+from experiments.stats import Criterion, judge, verdict_lines
 
 ARMS = {
     "sao": (),
@@ -52,6 +68,13 @@ ARMS = {
     "running_mean": ("--algo.name", "running_mean"),
 }
 COLORS = {"sao": "C0", "grpo": "C1", "grpo_async": "C2", "running_mean": "C3"}
+CRITERIA = (
+    Criterion("E1", "sao", "grpo", margin=-0.03, effect=0.03),
+    Criterion("E2", "sao", "running_mean", margin=0.0, effect=0.04),
+    Criterion("E3", "grpo", "sao", margin=0.0, effect=10.0, measure="wall_s"),
+)
+PRIMARY = "eval/success_rate"
+"""Of the sampled evaluation: the share of held-out samples solved."""
 
 
 def agentic_spec(label: str, arm_overrides: tuple[str, ...], seed: int, args: argparse.Namespace) -> RunSpec:
@@ -68,6 +91,7 @@ def agentic_spec(label: str, arm_overrides: tuple[str, ...], seed: int, args: ar
         seed=seed,
         token_budget=args.tokens,
         env_options={"tool_latency_s": args.tool_latency},
+        eval_prompts=args.eval_prompts,
     )
 
 
@@ -77,10 +101,11 @@ def add_agentic_args(p: argparse.ArgumentParser, quick: dict[str, Any]) -> None:
     p.add_argument("--tool-latency", type=float, default=1.0, help="seconds per lookup (key_chain tool_latency_s)")
     p.add_argument("--pretrain-samples", type=int, default=96, help="sao's value pre-training trajectories")
     p.add_argument("--window", type=int, default=64, help="trajectories in the rolling reward mean")
+    p.add_argument("--eval-prompts", type=int, default=128, help="held-out prompts of the primary measure (0: none)")
     add_common_args(p, RUNS / "agentic", quick)
 
 
-QUICK = {"seeds": 1, "tokens": 1500, "tool_latency": 0.1, "pretrain_samples": 16, "window": 8}
+QUICK = {"seeds": 1, "tokens": 2500, "tool_latency": 0.1, "pretrain_samples": 16, "window": 8, "eval_prompts": 16}
 
 
 def curves(runs: list[Run], x: str, window: int, points: int = 200) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -120,26 +145,45 @@ def summarize(label: str, runs: list[Run], window: int, target: float) -> dict[s
             "time_to_target_s": first_reach(s["time"], smooth, target, skip=window - 1),
             "tokens_to_target": first_reach(s["tokens"], smooth, target, skip=window - 1),
             "staleness_mean": float(np.mean([st.get("staleness/mean", 0.0) for st in r.steps])) if r.steps else None,
+            "staleness_max": max((st.get("staleness/max", 0.0) for st in r.steps), default=None),
+            "held_out": r.evals.get("sampled", {}).get(PRIMARY),
+            "held_out_greedy": r.evals.get("greedy", {}).get("eval/pass@1"),
+            "trained_share": trained_share(r),
+            "stale_dropped": max((st.get("bus/stale_dropped", 0.0) for st in r.records), default=0.0),
         })  # fmt: skip
     return {"arm": label, "seeds": per_seed}
 
 
+def trained_share(run: Run) -> float:
+    """Action tokens of trained trajectories (value pre-training's included) over the tokens the engine generated:
+    what staleness threw away, with admission close to 1 (the rest: episodes in flight at the budget)."""
+    trained = sum(t.get("action_tokens", 0) for t in run.trajectories)
+    return trained / max(float(run.engine[-1, 1]), 1.0)
+
+
 def table(summaries: list[dict[str, Any]], target: float) -> str:
     rows = [
-        f"| arm | seeds | reward first {{w}} → last {{w}} | time to {target:g} (s) | tokens to {target:g} | "
-        "trajectories trained | policy steps | wall (s) | tokens generated | staleness mean |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| arm | seeds | held-out success (sampled) | greedy pass@1 | reward first {{w}} → last {{w}} | "
+        f"time to {target:g} (s) | tokens to {target:g} | trajectories trained | policy steps | wall (s) | "
+        "tokens generated | share trained | staleness mean / max |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
         col = {k: [seed[k] for seed in s["seeds"]] for k in s["seeds"][0]}
         rows.append(
-            f"| `{s['arm']}` | {len(s['seeds'])} | {mean_spread(col['first_reward'])} → "
-            f"**{mean_spread(col['final_reward'])}** | {mean_spread(col['time_to_target_s'])} | "
+            f"| `{s['arm']}` | {len(s['seeds'])} | **{cell(col['held_out'])}** | {cell(col['held_out_greedy'])} | "
+            f"{mean_spread(col['first_reward'])} → "
+            f"{mean_spread(col['final_reward'])} | {mean_spread(col['time_to_target_s'])} | "
             f"{mean_spread(col['tokens_to_target'])} | {mean_spread(col['trajectories'])} | "
             f"{mean_spread(col['policy_steps'])} | {mean_spread(col['wall_s'])} | "
-            f"{mean_spread(col['generated_tokens'])} | {mean_spread(col['staleness_mean'])} |"
+            f"{mean_spread(col['generated_tokens'])} | {mean_spread(col['trained_share'])} | "
+            f"{mean_spread(col['staleness_mean'])} / {cell(col['staleness_max'])} |"
         )
     return "\n".join(rows)
+
+
+def cell(values: list[Any]) -> str:
+    return "–" if all(v is None for v in values) else mean_spread([v for v in values if v is not None])
 
 
 def plot(by_arm: dict[str, list[Run]], window: int, target: float, png: Path) -> None:
@@ -184,13 +228,19 @@ def main() -> None:
     summaries = [summarize(label, runs, args.window, args.target) for label, runs in by_arm.items()]
     png = args.figures / f"learning_efficiency{suffix}.png"
     plot(by_arm, args.window, args.target, png)
-    text = table(summaries, args.target).replace("{w}", str(args.window))
+    found = judge(CRITERIA, {s["arm"]: s["seeds"] for s in summaries})
+    lines = verdict_lines(found) or ["- (no pre-registered comparison among the arms run)"]
+    text = table(summaries, args.target).replace("{w}", str(args.window)) + "\n\n" + "\n".join(lines)
     note = (
-        f"Seeds {', '.join(map(str, range(args.seeds)))}; budget {args.tokens} generated tokens per run; tool latency "
-        f"{args.tool_latency} s per lookup; reward = rolling mean of {args.window} trained trajectories (first "
-        f"{args.window} → last {args.window}); mean ± std over seeds."
+        f"Seeds {', '.join(map(str, range(args.seeds)))} paired across arms; budget {args.tokens} generated tokens per "
+        f"run (sao's value pre-training included); tool latency {args.tool_latency} s per lookup; held-out success = "
+        f"the checkpoint at the budget on {args.eval_prompts} held-out prompts x 4 samples at temperature 1 (greedy "
+        f"pass@1 beside it), not charged to the budget; reward = rolling mean of {args.window} trained trajectories "
+        f"(first {args.window} → last {args.window}); mean ± std over seeds; intervals: 95% paired bootstrap over "
+        f"seeds (experiments/stats.py)."
     )
-    publish(f"learning_efficiency{suffix}", args.results, png, text, note, {"args": _jsonable(args), "arms": summaries})
+    data = {"args": _jsonable(args), "arms": summaries, "criteria": found}
+    publish(f"learning_efficiency{suffix}", args.results, png, text, note, data)
 
 
 def _jsonable(args: argparse.Namespace) -> dict[str, Any]:

@@ -3,7 +3,8 @@ same seeds, the difference per seed resampled (paired bootstrap) for a 95% inter
 comparison needs for a stated power, from a pilot's spread of those differences.
 
 Owned here: `paired_bootstrap` (the interval of the mean paired difference), `seeds_needed` (a pilot's power
-analysis) and `smallest_detectable` (what n seeds can tell apart). Called by the experiment scripts; numpy and the
+analysis), `smallest_detectable` (what n seeds can tell apart) and the pre-registered comparisons (`Criterion`,
+`judge`, `verdict_lines`). Called by the experiment scripts; numpy and the
 standard library only.
 """
 
@@ -13,6 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import NormalDist, fmean, stdev
+from typing import Any
 
 import numpy as np
 
@@ -73,3 +75,60 @@ def pilot_summary(pilot_differences: Sequence[float], effect: float) -> str:
     mean, sd = fmean(pilot_differences), stdev(pilot_differences)
     return (f"pilot of {len(pilot_differences)} seeds: mean difference {mean:+.3f}, sd {sd:.3f} -> {n} seeds "
             f"detect {effect:.2f} with power 0.8 at alpha 0.05")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Criterion:
+    """A comparison written into a script before it runs: arm `a` minus arm `b` on `measure`, paired by seed.
+
+    It holds when the interval's lower end clears `margin` (and, with `min_mean`, the mean reaches it); `effect` is
+    the difference a power analysis sizes the seeds for."""
+
+    name: str
+    a: str
+    b: str
+    margin: float
+    effect: float
+    min_mean: float | None = None
+    measure: str = "held_out"
+
+    def clause(self) -> str:
+        floor = f"mean >= {self.min_mean:.2f} and " if self.min_mean is not None else ""
+        return f"{floor}interval above {self.margin:+.2f}"
+
+
+def judge(
+    criteria: Sequence[Criterion], by_arm: dict[str, list[dict[str, Any]]], min_seeds: int = 3
+) -> list[dict[str, Any]]:
+    """Each criterion on the seeds both its arms ran (rows keyed by "seed"): the paired difference, its interval,
+    whether it holds (None from fewer than `min_seeds` seeds: one or two seeds' interval is no interval), and the
+    seeds a power-0.8 test of its effect needs from these seeds' spread."""
+    out = []
+    for c in criteria:
+        if c.a not in by_arm or c.b not in by_arm:
+            continue
+        mine = {s["seed"]: s[c.measure] for s in by_arm[c.a] if s[c.measure] is not None}
+        both = [(mine[s["seed"]], s[c.measure]) for s in by_arm[c.b] if s["seed"] in mine and s[c.measure] is not None]
+        if not both:
+            continue
+        diff = paired_bootstrap([x for x, _ in both], [y for _, y in both])
+        need = seeds_needed([x - y for x, y in both], c.effect) if len(both) >= 2 else None
+        holds = None
+        if diff.n >= min_seeds:
+            holds = diff.low > c.margin and (c.min_mean is None or diff.mean >= c.min_mean)
+        out.append({"name": c.name, "a": c.a, "b": c.b, "measure": c.measure, "margin": c.margin, "effect": c.effect,
+                    "clause": c.clause(), "mean": diff.mean, "low": diff.low, "high": diff.high, "n": diff.n,
+                    "holds": holds, "seeds_needed": need})  # fmt: skip
+    return out
+
+
+def verdict_lines(found: Sequence[dict[str, Any]], min_seeds: int = 3) -> list[str]:
+    """One markdown line per judged criterion (from `judge`)."""
+    said = {True: "holds", False: "does not hold", None: f"no verdict (fewer than {min_seeds} seeds)"}
+    lines = []
+    for c in found:
+        need = f"; power 0.8 for {c['effect']:.2f} needs {c['seeds_needed']} seeds" if c["seeds_needed"] else ""
+        lines.append(f"- **{c['name']}** `{c['a']}` - `{c['b']}` ({c['measure']}) = {c['mean']:+.3f} "
+                     f"[{c['low']:+.3f}, {c['high']:+.3f}] over {c['n']} paired seeds ({c['clause']}): "
+                     f"**{said[c['holds']]}**{need}")  # fmt: skip
+    return lines

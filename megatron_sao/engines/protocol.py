@@ -309,6 +309,8 @@ FLUSH_REFUSAL_FAILS_SINCE = (0, 5, 22)
 ROUTED_EXPERTS_SINCE = (0, 5, 7)  # /generate return_routed_experts, server flag --enable-return-routed-experts
 ROUTED_EXPERTS_START_SINCE = (0, 5, 8)  # routed_experts_start_len: routes of a later turn's new positions only
 EMBEDDED_ENGINE = "megatron_sao.embedded"
+LOADS_IN_PLACE_INFO = "loads_in_place"
+"""/server_info of an embedded engine: true when it was started with --load-in-place (ServerProtocol.in_place)."""
 """/server_info's "engine" of the embedded CPU engine (it also reports the SGLang version whose rules it follows)."""
 PUSH_AGENT = "megatron_sao.agent"
 """/server_info's "engine" of a push agent (engines/agent/): it answers for the engine behind it (the version whose
@@ -369,6 +371,7 @@ class ServerProtocol:
     version: str
     embedded: bool = False
     agent: bool = False  # a push agent in front of the engine (engines/agent/)
+    in_place: bool = False  # an embedded engine started with --load-in-place: SGLang's loading, no staging
 
     @property
     def release(self) -> tuple[int, int, int]:
@@ -415,7 +418,7 @@ class ServerProtocol:
         """Takes the `delta` field (weight deltas against a kept base, distributed/delta.py): the embedded engine
         and the push agent, with sessions (a base is made at a session's commit); a real SGLang server never -- it
         takes deltas through an agent, which hands each rank its full slice."""
-        return (self.embedded or self.agent) and self.session
+        return (self.embedded or self.agent) and self.session and not self.in_place
 
     @property
     def routed_experts(self) -> bool:
@@ -429,8 +432,9 @@ class ServerProtocol:
     def staged(self) -> bool:
         """The engine keeps serving its previous weights and version until the session's end: the embedded engine
         stages a push; a push agent holds it beside the engine and hands it over at the end (pausing an engine that
-        loads in place only for the handover)."""
-        return (self.embedded or self.agent) and self.session
+        loads in place only for the handover). An embedded engine started with --load-in-place does not: it loads
+        each update into the live model at its call, as SGLang does."""
+        return (self.embedded or self.agent) and self.session and not self.in_place
 
     @classmethod
     def from_server_info(cls, info: dict[str, Any], url: str = "") -> ServerProtocol:
@@ -438,6 +442,8 @@ class ServerProtocol:
         if not version:
             raise ValueError(f"engine {url}: /server_info carries no 'version'; cannot tell its weight-update protocol")
         engine = info.get("engine")
-        proto = cls(str(version), embedded=engine == EMBEDDED_ENGINE, agent=engine == PUSH_AGENT)
+        embedded = engine == EMBEDDED_ENGINE
+        proto = cls(str(version), embedded=embedded, agent=engine == PUSH_AGENT,
+                    in_place=embedded and bool(info.get(LOADS_IN_PLACE_INFO, False)))  # fmt: skip
         proto.release  # noqa: B018 - raises ValueError on a version that does not parse
         return proto

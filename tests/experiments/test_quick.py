@@ -43,7 +43,12 @@ def test_learning_efficiency_quick(tmp_path: Path) -> None:
     assert [a["arm"] for a in data["arms"]] == ["sao", "grpo", "grpo_async", "running_mean"]
     for arm in data["arms"]:
         (seed,) = arm["seeds"]
-        assert seed["generated_tokens"] >= 1500 and seed["trajectories"] > 0  # the budget stopped every run
+        assert seed["generated_tokens"] >= 2500 and seed["trajectories"] > 0  # the budget stopped every run
+        assert 0 <= seed["held_out"] <= 1 and 0 <= seed["held_out_greedy"] <= 1  # its checkpoint was evaluated
+        assert seed["stale_dropped"] == 0 and 0.5 < seed["trained_share"] <= 1  # admission: nothing thrown away
+        assert seed["staleness_max"] <= 4
+    assert [c["name"] for c in data["criteria"]] == ["E1", "E2", "E3"]
+    assert all(c["holds"] is None for c in data["criteria"])  # one seed: no verdict
     section = _section(results, "learning_efficiency_quick")
     assert "learning_efficiency_quick.png" in section
     for arm in ("sao", "grpo", "grpo_async", "running_mean"):

@@ -1,10 +1,11 @@
-"""The experiments' statistics on hand-computed cases: the paired bootstrap's interval and the power analysis."""
+"""The experiments' statistics on hand-computed cases: the paired bootstrap's interval, the power analysis and the
+pre-registered comparisons' verdicts."""
 
 from __future__ import annotations
 
 import pytest
 
-from experiments.stats import paired_bootstrap, seeds_needed, smallest_detectable
+from experiments.stats import Criterion, judge, paired_bootstrap, seeds_needed, smallest_detectable, verdict_lines
 
 
 def test_the_paired_bootstrap_of_three_seeds_matches_the_exact_resampling_distribution() -> None:
@@ -32,3 +33,31 @@ def test_the_power_analysis_asks_for_eight_seeds_when_the_effect_equals_the_spre
     assert smallest_detectable(0.05, 3) == pytest.approx(2.8016 * 0.05 / 3**0.5, rel=1e-3)  # 0.081
     with pytest.raises(ValueError, match="pilot"):
         seeds_needed([0.1], effect=0.05)
+
+
+def test_a_criterion_is_judged_on_the_seeds_both_arms_ran_and_needs_three_for_a_verdict() -> None:
+    by_arm = {
+        "sao": [{"seed": 0, "held_out": 0.6}, {"seed": 1, "held_out": 0.7}, {"seed": 2, "held_out": 0.8},
+                {"seed": 3, "held_out": None}],
+        "base": [{"seed": 1, "held_out": 0.5}, {"seed": 2, "held_out": 0.6}, {"seed": 0, "held_out": 0.5},
+                 {"seed": 3, "held_out": 0.9}],
+        "two": [{"seed": 0, "held_out": 0.5}, {"seed": 1, "held_out": 0.5}],
+    }  # fmt: skip
+    found = judge(
+        [Criterion("H1", "sao", "base", margin=0.0, effect=0.1), Criterion("G", "sao", "base", 0.0, 0.1, min_mean=0.3),
+         Criterion("H2", "sao", "two", margin=0.0, effect=0.1), Criterion("X", "sao", "absent", 0.0, 0.1)],
+        by_arm,
+    )  # fmt: skip
+    h1, gate, h2 = found  # an arm that did not run: no row
+    # paired by seed, not by position: differences 0.1, 0.2, 0.2 (seed 3 has no sao value): mean 0.1667, and the
+    # 27 resamples' 95% interval is [0.1, 0.2] (1/27 of them all 0.1, 8/27 all 0.2)
+    assert (h1["n"], h1["mean"], h1["low"], h1["high"]) == (
+        3,
+        pytest.approx(1 / 6),
+        pytest.approx(0.1),
+        pytest.approx(0.2),
+    )
+    assert h1["holds"] is True and gate["holds"] is False  # the interval clears 0; the mean misses the floor 0.3
+    assert h2["n"] == 2 and h2["holds"] is None  # two seeds: shown, not judged
+    lines = verdict_lines(found)
+    assert "**holds**" in lines[0] and "mean >= 0.30" in lines[1] and "no verdict" in lines[2]

@@ -142,3 +142,68 @@ def test_direct_payloads_give_each_tp_rank_its_block_and_serve_what_the_full_wei
     with pytest.raises(EngineError, match="session discarded"):
         client.end_weight_update()
     assert client.generate(PROMPT, GREEDY).output_ids == reference
+
+
+def test_an_engine_that_loads_in_place_serves_each_update_at_its_call_and_says_when_a_push_is_partial(
+    start_engine: Any, tiny_hf_dir: Any, tmp_path: Path
+) -> None:
+    """--load-in-place (SGLang's loading, what the push agent's stall is measured against): at --tp-size 2 each
+    rank loads its "direct" entry into the live model at the call, weights and version switch then, not at the
+    session's end; clients learn it from /server_info (not staged: the agent pauses it for a handover and keeps it
+    paused after a partial one); a push that fails after a part loaded leaves the engine partially updated, and says
+    so, until a complete push lands."""
+    hf_dir = Path(tiny_hf_dir("qwen3_moe"))
+    two = start_engine(hf_dir, "--tp-size", "2", "--load-in-place")
+    ref_dir = tmp_path / "scaled"
+    shutil.copytree(hf_dir, ref_dir)
+    new = {n: (t * 0.75).contiguous() for n, t in _weights(hf_dir).items()}
+    for f in [*ref_dir.glob("*.safetensors"), *ref_dir.glob("*.safetensors.index.json")]:
+        f.unlink()
+    save_file(new, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
+    one = start_engine(ref_dir)
+    two.wait_healthy()
+    one.wait_healthy()
+    client = SGLangClient(two.url)
+    info = client.request("GET", P.SERVER_INFO)
+    proto = P.ServerProtocol.from_server_info(info)
+    assert info[P.LOADS_IN_PLACE_INFO] is True and proto.in_place and not proto.staged and not proto.deltas
+    shards = client.weight_shards()["shards"]
+
+    alive: list[Any] = []  # shared memory lives as long as its tensors: kept through the calls
+
+    def entries(weights: dict[str, torch.Tensor], names: list[str]) -> list[str]:
+        per_rank = [[(n, weights[n] if shards.get(n, [None, None])[r] is None
+                      else flat_bucket.block(weights[n], shards[n][r]).contiguous()) for n in names]
+                    for r in range(2)]  # fmt: skip
+        alive.append(per_rank)
+        return [tensor_payload.pack(pairs) for pairs in per_rank]
+
+    start = client.generate(PROMPT, GREEDY).output_ids
+    reference = SGLangClient(one.url).generate(PROMPT, GREEDY).output_ids
+    assert start != reference
+    client.begin_weight_update()
+    client.update_weights_from_tensor(entries(new, list(new)), load_format="direct", weight_version=5,
+                                      flush_cache=False)  # fmt: skip
+    assert str(client.weight_version()) == "5"  # switched at the call, inside the session
+    assert client.generate(PROMPT, GREEDY).output_ids == reference
+    assert client.end_weight_update()["success"]
+    ranks = client.request("GET", P.SERVER_INFO)["tp_ranks"]
+    got = [r["weight_update_groups"]["update_weights_from_tensor"]["bytes"] for r in ranks]
+    assert got[0] < sum(t.nbytes for t in new.values())  # each rank its slice
+    # half a push loads, the next part is refused: the engine holds a mix and the session's end says so
+    names = list(new)
+    client.begin_weight_update()
+    halved = {n: (t * 0.5).contiguous() for n, t in new.items()}
+    client.update_weights_from_tensor(entries(halved, names[: len(names) // 2]), load_format="direct",
+                                      flush_cache=False)  # fmt: skip
+    split = next(n for n, b in shards.items() if b[0] is not None)
+    with pytest.raises(EngineError, match="this rank's block"):
+        client.update_weights_from_tensor([tensor_payload.pack([(split, new[split].clone())]) for _ in range(2)],
+                                          load_format="direct", flush_cache=False)  # fmt: skip
+    with pytest.raises(EngineError, match="partially updated"):
+        client.end_weight_update()
+    assert client.generate(PROMPT, GREEDY).output_ids != reference
+    client.begin_weight_update()
+    client.update_weights_from_tensor(entries(new, names), load_format="direct", weight_version=6, flush_cache=False)
+    client.end_weight_update()
+    assert client.generate(PROMPT, GREEDY).output_ids == reference and str(client.weight_version()) == "6"

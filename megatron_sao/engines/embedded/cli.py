@@ -30,6 +30,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--emulate-sglang", default=None, metavar="VERSION",
                    help="follow the weight-update rules of this SGLang release (default: the newest one read, "
                    "megatron_sao.engines.embedded.server.EMULATED_SGLANG)")  # fmt: skip
+    p.add_argument("--load-in-place", action="store_true",
+                   help="load each weight update into the live model at its call, as SGLang does (one copy, no "
+                   "staging): a push cut part-way leaves the engine partially updated. Default: a session's updates "
+                   "are staged and switched in together at its end")  # fmt: skip
     p.add_argument("--weight-session-timeout", type=float, default=300.0, metavar="S",
                    help="discard a weight-update session no update touched for S seconds (its trainer is gone) and "
                    "resume generating")  # fmt: skip
@@ -115,7 +119,7 @@ def main(argv: list[str]) -> int:
         if tp_rank != 0:
             serve_follower(store, tp_rank, layout.tp_size, args.model, dtype=args.dtype,
                            max_running=args.max_running_requests, context_length=args.context_length,
-                           sglang_version=sglang_version)  # fmt: skip
+                           sglang_version=sglang_version, in_place=args.load_in_place)  # fmt: skip
             return 0
     try:
         state = build_state(
@@ -126,6 +130,7 @@ def main(argv: list[str]) -> int:
             skip_tokenizer_init=args.skip_tokenizer_init,
             weight_version=args.weight_version,
             sglang_version=sglang_version,
+            in_place=args.load_in_place,
             session_timeout_s=args.weight_session_timeout,
             tp_store=store,
             tp_layout=layout,

@@ -172,6 +172,7 @@ class EngineState:
             **self.model_info,
             "engine": P.EMBEDDED_ENGINE,
             "version": self.protocol.version,
+            P.LOADS_IN_PLACE_INFO: self.protocol.in_place,
             "tp_size": self.tp_size,
             "dp_size": 1,
             "enable_return_routed_experts": self.scheduler.runner.routes is not None,  # a server argument, as SGLang's
@@ -282,7 +283,7 @@ class EngineState:
             load_format=load_format,
             delta=body.get(P.DELTA),
         )
-        staged = self.protocol.session  # staged in its session (receive refuses one discarded meanwhile)
+        staged = self.protocol.staged  # staged in its session (receive refuses one discarded meanwhile)
         if not staged:
             self.scheduler.apply_update(update)
             self.updater.recycle(update.buffers)
@@ -305,7 +306,7 @@ class EngineState:
         version = body.get("weight_version")
         update = self.updater.receive_tensors(entries, body.get("load_format"),
                                               None if version is None else str(version))  # fmt: skip
-        if not self.protocol.session:
+        if not self.protocol.staged:  # loaded now, from the sender's memory lent for this call
             self.scheduler.apply_update(update)
             self.updater.recycle(update.buffers)
         if body.get("flush_cache", True) and not self.scheduler.flushable():
@@ -463,6 +464,7 @@ def build_state(
     skip_tokenizer_init: bool = False,
     weight_version: str = P.DEFAULT_WEIGHT_VERSION,
     sglang_version: str = EMULATED_SGLANG,
+    in_place: bool = False,
     session_timeout_s: float = 300.0,
     tp_store: Any = None,
     tp_layout: TPLayout | None = None,
@@ -478,7 +480,7 @@ def build_state(
     peers = Peers(tp_store, tp_layout) if tp_layout is not None and tp_size > 1 else None
     ctx = context_length or int(getattr(model.config, "max_position_embeddings", 4096))
     tokenizer = None if skip_tokenizer_init else _maybe_tokenizer(model_dir)
-    protocol = P.ServerProtocol(sglang_version, embedded=True)
+    protocol = P.ServerProtocol(sglang_version, embedded=True, in_place=in_place)
     updater = WeightUpdater(model, protocol, session_timeout_s, fp8=fp8, peers=peers)
     mirror = None
     if peers is not None:
@@ -548,6 +550,7 @@ def serve_follower(
     max_running: int,
     context_length: int | None,
     sglang_version: str,
+    in_place: bool = False,
 ) -> None:
     """A TP rank other than 0 (embedded/tp.py): its shard of the model, its own KV cache of its heads and its own
     weight updater, driven by rank 0's commands; never returns (ends with rank 0). `tp_size`: the engine's TP ranks
@@ -557,7 +560,8 @@ def serve_follower(
     model, _ = load_engine_model(model_dir, dtype, tp_size)
     ctx = context_length or int(getattr(model.config, "max_position_embeddings", 4096))
     runner, cache = ModelRunner(model), SlotKVCache(max_running, ctx)
-    updater = WeightUpdater(model, P.ServerProtocol(sglang_version, embedded=True), float("inf"), tp_rank=tp_rank)
+    protocol = P.ServerProtocol(sglang_version, embedded=True, in_place=in_place)
+    updater = WeightUpdater(model, protocol, float("inf"), tp_rank=tp_rank)
     pending: list[ReceivedUpdate] = []  # what the next commit applies: a session's staging, or a live update
 
     def forward(slots: list[int], starts: list[int], input_ids: Any) -> None:
@@ -586,13 +590,13 @@ def serve_follower(
 
     def receive(**kwargs: Any) -> str:
         update = updater.receive(**kwargs)
-        if not updater.protocol.session:
+        if not updater.protocol.staged:
             pending.append(update)
         return f"received {len(update.tensors)} tensors"
 
     def receive_tensors(**kwargs: Any) -> str:
         update = updater.receive_tensors(**kwargs)
-        if not updater.protocol.session:
+        if not updater.protocol.staged:
             pending.append(update)
         return f"loaded {len(update.tensors)} tensors"
 

@@ -120,6 +120,7 @@ class Session:
     last_activity: float = field(default_factory=time.monotonic)
     buffers: list[torch.Tensor] = field(default_factory=list)  # what the staged tensors live in
     receiving: int = 0  # updates announced to this session whose bytes are still arriving
+    loaded: int = 0  # updates loaded into the live model at their call (an engine that loads in place)
     kept: dict[tuple[str, ...], tuple[torch.Tensor, Any]] = field(default_factory=dict)  # bucket key -> its bytes
     # and their fingerprint: the next bases
 
@@ -313,9 +314,13 @@ class WeightUpdater:
             with self._lock:
                 self._drop_dirty_bases()
             self.recycle(session.buffers)
+            if session.loaded:  # SGLang's state after a failed push: the model holds what loaded before the failure
+                raise WeightUpdateError(f"session failed after {session.loaded} update(s) loaded in place: the engine "
+                                        f"is partially updated (send a complete push): {session.failure}")  # fmt: skip
             raise WeightUpdateError(f"session discarded, model unchanged: {session.failure}")
         if not session.staged and session.weight_version is None:
-            return None, "Success (nothing staged)"
+            return None, f"Success ({session.loaded} updates loaded in place)" if session.loaded else \
+                "Success (nothing staged)"  # fmt: skip
         self._rebase(session)
         return session.commit(), f"Success: committed {len(session.staged)} tensors"
 
@@ -414,9 +419,13 @@ class WeightUpdater:
                 session.last_activity = time.monotonic()
         if self.protocol.session and session is None:
             raise WeightUpdateError(f"{route} must run between begin_weight_update() and end_weight_update()")
+        staging = session if self.protocol.staged else None  # in place: the caller applies it within the call
         try:
             with self.serial:
-                return self._mirrored(command, args, lambda: run(session))
+                update = self._mirrored(command, args, lambda: run(staging))
+            if session is not None and staging is None:
+                session.loaded += 1
+            return update
         except WeightUpdateError as e:
             if session is not None:
                 self._fail(session, str(e))
@@ -611,14 +620,18 @@ class WeightUpdater:
         if problems:
             shown = "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
             raise WeightUpdateError(f"update rejected, model unchanged: {shown}")
-        # the sender's memory is lent for the call: copied into receive buffers (those of past pushes, recycled)
+        names = [n for n, _ in pairs]
+        if session is None:  # applied before the call returns (no session, or loading in place): the one copy is
+            update = ReceivedUpdate(targets, [t.detach() for _, t in pairs], weight_version, [], boxes)  # the load's
+            self._record(TENSOR_ROUTE, names, update.tensors)
+            return update
+        # staged: the sender's memory is lent for the call only, so copied into receive buffers (those of past
+        # pushes, recycled) and switched in at the session's end
         buffers = [self._buffer(t.nbytes) for _, t in pairs]
         tensors = [b.view(t.dtype).view(t.shape).copy_(t.detach()) for b, (_, t) in zip(buffers, pairs)]
-        names = [n for n, _ in pairs]
         self._record(TENSOR_ROUTE, names, tensors)
         update = ReceivedUpdate(targets, tensors, weight_version, buffers, boxes)
-        if session is not None:
-            self._stage(session, update, names, TENSOR_ROUTE)
+        self._stage(session, update, names, TENSOR_ROUTE)
         return update
 
     def _room(self, name: str, dtype: torch.dtype, shape: list[int]) -> int:
