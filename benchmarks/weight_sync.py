@@ -28,8 +28,9 @@ engine's own count is printed beside it, `engine-counted stall / push`: the seco
 a token boundary (the commit) and paused (`/server_info` load boundary_s + paused_s) over the push's wall time.
 
 Then (`--part agent`, or all) the push agent's path: full pushes into a TP=2 engine paused in place for the whole
-push (SGLang's own path) against pushes through a push agent beside a second TP=2 engine (`--pause-engine always`:
-the agent pauses it in place for the handover, as it must an SGLang engine, which loads in place). Prints
+push (SGLang's own path) against pushes through a push agent beside a second TP=2 engine; both engines load in place
+as SGLang does (`--load-in-place`: each update copied into the live model at its call, no staging), so the agent
+pauses its engine in place for the handover, as it must an SGLang engine. Prints
 `bytes per engine rank agent/full X` (here the embedded engine's "direct" blocks; SGLang's "hf" handover sends dense
 tensors whole and only the rank's experts: `plan` gives those bytes) and `engine stall / push X` for each path, as
 the engine counts it (paused + commit over the push's wall time).
@@ -416,10 +417,13 @@ def shard_aware(hf_dir: str, work: Path, args: argparse.Namespace, results: dict
 
 def agent_path(hf_dir: str, work: Path, args: argparse.Namespace, results: dict[str, Any]) -> None:
     """Full pushes into a TP=2 engine paused in place (SGLang's path) against pushes through a push agent beside a
-    second TP=2 engine, the agent pausing it in place for the handover as it must an SGLang engine."""
+    second TP=2 engine, the agent pausing it in place for the handover as it must an SGLang engine; both engines
+    load in place as SGLang does (--load-in-place: one copy per update, no staging)."""
     from megatron_sao.distributed import spawn_ranks
 
-    engines = {k: _start_engine(hf_dir, work, f"agent_{k}", "--tp-size", "2") for k in ("full", "agent")}
+    engines = {
+        k: _start_engine(hf_dir, work, f"agent_{k}", "--tp-size", "2", "--load-in-place") for k in ("full", "agent")
+    }  # SGLang's loading: each update into the live model at its call
     agent = None
     try:
         for k, (proc, url) in engines.items():
@@ -428,7 +432,7 @@ def agent_path(hf_dir: str, work: Path, args: argparse.Namespace, results: dict[
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         log = open(work / "agent.log", "wb")  # noqa: SIM115 - lives as long as the agent
         agent = subprocess.Popen([sys.executable, "-m", "megatron_sao", "agent", "--engine", engines["agent"][1],
-                                  "--port", str(agent_port), "--pause-engine", "always"], stdout=log,
+                                  "--port", str(agent_port)], stdout=log,
                                  stderr=subprocess.STDOUT, env=env)  # fmt: skip
         agent_url = f"http://127.0.0.1:{agent_port}"
         _wait_healthy(agent, agent_url, work / "agent.log")
