@@ -8,13 +8,20 @@ seeds: final reward and the stability figures side by side.
     gae_through_observations  algo.gae.skip_observations=false: GAE (and the critic) over observation tokens too
 
 The `sao` row is the learning-efficiency `sao` arm: the same runs (runs/experiments/agentic/sao-s*), trained once
-(experiments/harness.py reads a finished run back). Stability figures per run, over its policy steps: DIS masked
-fraction, mean |learner - rollout| log-prob, largest ratio, explained variance and value loss over the last half,
-non-finite updates. Prints the table, writes the figure and JSON under docs/results/ and the table into
-docs/results.md.
+(experiments/harness.py reads a finished run back), with the same settings (rollout admission, seeds paired). The
+measure (primary, issue 47): the held-out success of the checkpoint at the budget (sampled, 4 samples of each of
+--eval-prompts prompts; greedy beside it), as in experiments/learning_efficiency.py. Stability figures per run, over
+its policy steps: DIS masked fraction, mean |learner - rollout| log-prob, largest ratio, explained variance and value
+loss over the last half, non-finite updates, and the final trained reward (secondary).
 
-    python experiments/ablations.py            # 4 ablations x 3 seeds x 10000 tokens (+ the sao arm), ~30 min
-    python experiments/ablations.py --quick    # 1 seed, 400 tokens, ~3 min
+Pre-registered (written 2026-12-07 before the rerun; 95% paired bootstrap over seeds, experiments/stats.py): for each
+variant V, "the mechanism V turns off helps at this scale" holds when sao - V (held-out) has its interval above 0
+(effect for the power analysis: 0.04). An interval across 0 says the seeds cannot tell, not that it does not help.
+
+Prints the table, writes the figure and JSON under docs/results/ and the table into docs/results.md.
+
+    python experiments/ablations.py            # 4 ablations x 3 seeds x 10000 tokens (+ the sao arm), ~60 min
+    python experiments/ablations.py --quick    # 1 seed, 2500 tokens, 16 eval prompts
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ from experiments.harness import (
     save_figure,
     warm_agentic_model,
 )
-from experiments.learning_efficiency import QUICK, add_agentic_args, full_windows, run_arms
+from experiments.learning_efficiency import PRIMARY, QUICK, add_agentic_args, cell, full_windows, run_arms
+from experiments.stats import Criterion, judge, verdict_lines
 
 CRITIC_MLPS = '"*.mlp.experts.*", "*.mlp.shared_experts.*", "*.mlp.linear_fc*", "output_layer.*"'
 VARIANTS: dict[str, tuple[str, ...]] = {
@@ -54,6 +62,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     ),
     "gae_through_observations": ("--algo.gae.skip_observations", "false"),
 }
+CRITERIA = tuple(Criterion(v, "sao", v, margin=0.0, effect=0.04) for v in VARIANTS if v != "sao")
 WHAT = {
     "sao": "SAO (DIS, K=2, frozen critic attention, GAE skipping observations)",
     "plain_is": "plain IS instead of the DIS mask",
@@ -76,6 +85,8 @@ def stability(run: Run, window: int) -> dict[str, Any]:
                     default=0.0)  # fmt: skip
     return {
         "seed": run.spec.seed,
+        "held_out": run.evals.get("sampled", {}).get(PRIMARY),
+        "held_out_greedy": run.evals.get("greedy", {}).get("eval/pass@1"),
         "final_reward": float(smooth[-1]) if smooth.size else None,
         "best_reward": float(smooth.max()) if smooth.size else None,
         "masked_frac": mean("dis/masked_frac"),
@@ -91,15 +102,17 @@ def stability(run: Run, window: int) -> dict[str, Any]:
 
 def table(rows: dict[str, list[dict[str, Any]]]) -> str:
     out = [
-        "| variant | seeds | final reward | best reward | DIS masked frac | \\|Δ log-prob\\| | max ratio | "
-        "explained var (2nd half) | value loss (2nd half) | non-finite updates | wall (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | seeds | held-out success (sampled) | greedy pass@1 | final trained reward | DIS masked frac | "
+        "\\|Δ log-prob\\| | max ratio | explained var (2nd half) | value loss (2nd half) | non-finite updates | "
+        "wall (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, seeds in rows.items():
         col = {k: [s[k] for s in seeds] for k in seeds[0]}
         out.append(
-            f"| `{label}`: {WHAT[label]} | {len(seeds)} | **{mean_spread(col['final_reward'])}** | "
-            f"{mean_spread(col['best_reward'])} | {mean_spread(col['masked_frac'])} | "
+            f"| `{label}`: {WHAT[label]} | {len(seeds)} | **{cell(col['held_out'])}** | "
+            f"{cell(col['held_out_greedy'])} | {mean_spread(col['final_reward'])} | "
+            f"{mean_spread(col['masked_frac'])} | "
             f"{mean_spread(col['logprob_gap'])} | {mean_spread(col['ratio_max'])} | "
             f"{mean_spread(col['explained_variance'])} | {mean_spread(col['value_loss'])} | "
             f"{mean_spread(col['nonfinite_updates'])} | {mean_spread(col['wall_s'])} |"
@@ -113,7 +126,7 @@ def plot(by_variant: dict[str, list[Run]], rows: dict[str, list[dict[str, Any]]]
     labels = list(rows)
     x = np.arange(len(labels))
     for ax, key, title in (
-        (axes[1], "final_reward", "final reward"),
+        (axes[1], "held_out", "held-out success (sampled)"),
         (axes[2], "masked_frac", "DIS masked fraction"),
         (axes[3], "explained_variance", "explained variance (2nd half)"),
     ):
@@ -148,13 +161,15 @@ def main() -> None:
     rows = {label: [stability(r, args.window) for r in runs] for label, runs in by_variant.items()}
     png = args.figures / f"ablations{suffix}.png"
     plot(by_variant, rows, args.window, png)
-    text = table(rows)
+    found = judge(CRITERIA, rows)
+    text = table(rows) + "\n\n" + "\n".join(verdict_lines(found) or ["- (no pre-registered comparison run)"])
     note = (
-        f"Seeds {', '.join(map(str, range(args.seeds)))}; budget {args.tokens} generated tokens per run (the "
-        f"learning-efficiency budget); reward = rolling mean of {args.window} trained trajectories; mean ± std over "
-        "seeds."
+        f"Seeds {', '.join(map(str, range(args.seeds)))} paired across variants; budget {args.tokens} generated "
+        f"tokens per run (the learning-efficiency budget); held-out success = the checkpoint at the budget on "
+        f"{args.eval_prompts} held-out prompts x 4 samples at temperature 1; trained reward = rolling mean of "
+        f"{args.window} trained trajectories; mean ± std over seeds; intervals: 95% paired bootstrap over seeds."
     )
-    publish(f"ablations{suffix}", args.results, png, text, note, {"variants": rows})
+    publish(f"ablations{suffix}", args.results, png, text, note, {"variants": rows, "criteria": found})
 
 
 if __name__ == "__main__":

@@ -68,6 +68,8 @@ def test_ablations_quick(tmp_path: Path) -> None:
     data = json.loads((figures / "ablations_quick.json").read_text())
     assert list(data["variants"]) == ["sao", "plain_is", "k1", "critic_attention", "gae_through_observations"]
     assert data["variants"]["plain_is"][0]["masked_frac"] == 0.0  # plain IS masks nothing
+    assert all(0 <= v[0]["held_out"] <= 1 for v in data["variants"].values())  # every checkpoint evaluated
+    assert [c["name"] for c in data["criteria"]] == ["plain_is", "k1", "critic_attention", "gae_through_observations"]
     section = _section(results, "ablations_quick")
     assert section.count("\n| `") == 5
 
@@ -89,12 +91,16 @@ def test_online_adaptation_quick(tmp_path: Path) -> None:
     out, results, figures = _quick("online_adaptation.py", tmp_path)
     _png(figures / "online_adaptation_quick.png")
     data = json.loads((figures / "online_adaptation_quick.json").read_text())
-    assert list(data["recoveries"]) == ["sao", "running_mean", "grpo"]
-    for arm in data["recoveries"].values():
+    assert list(data["arms"]) == ["sao", "running_mean"]
+    for arm in data["arms"].values():
         (seed,) = arm
-        assert [s["switch"] for s in seed] == ["cute -> chuunibyou", "chuunibyou -> classical"]
+        assert [s["switch"] for s in seed["switches"]] == ["cute -> chuunibyou", "chuunibyou -> classical"]
+        for s in seed["switches"]:  # every switch either recovered, censored at the period, or without a target
+            assert s["status"] in ("recovered", "censored", "no pre-switch level", "not reached")
+            assert (s["versions"] == 3) if s["censored"] else (s["versions"] is None or 0 <= s["versions"] < 3)
+    assert [c["name"] for c in data["criteria"]] == ["O1"] and data["criteria"][0]["holds"] is None  # one seed
     section = _section(results, "online_adaptation_quick")
-    assert section.count("\n| `") == 6  # 3 arms x 2 switches
+    assert section.count("\n| `") == 2 and "**GATE**" in section
 
 
 @pytest.mark.slow

@@ -87,6 +87,29 @@ def test_style_preference_switches_on_schedule_and_records_the_style() -> None:
     assert styles == ["cute", "cute", "chuunibyou", "chuunibyou"]
 
 
+def test_the_graded_style_reward_ranks_old_style_below_plain_below_new_and_records_the_adaptation_measures() -> None:
+    """reward="graded" (experiments/online_adaptation.py): after a switch to chuunibyou the old style (cute) scores 0,
+    a plain sentence 0.5, one new marker 0.75, two 1.0; the metadata carry the ratio score under the active style and
+    under the style the next switch brings, whatever the reward."""
+    env = make_env("style_preference", {"period": 10, "reward": "graded"})
+    cases = {"nya so fluffy": 0.0, "a cat sat": 0.5, "a sealed cat": 0.75, "the sealed eye": 1.0,
+             "sealed eye but nya": 0.75}  # fmt: skip
+    for text, want in cases.items():
+        ep = env.start({"id": "s", "prompt": "Write."})
+        ep.step(text)
+        ep.weight_version = 12  # chuunibyou; the next switch brings classical
+        assert ep.reward() == want, text
+        assert ep.metadata["style"] == "chuunibyou"
+        assert ep.metadata["style_score"] == style_score(text, "chuunibyou")
+        assert ep.metadata["next_style_score"] == style_score(text, "classical")
+    ep = make_env("style_preference", {"period": 10}).start({"id": "s", "prompt": "Write."})
+    ep.step("thou art sealed")
+    ep.weight_version = 19  # the default ratio reward is unchanged: 1 hit / (1 + 1 other)
+    assert ep.reward() == 0.5 == ep.metadata["style_score"] and ep.metadata["next_style_score"] == 0.5
+    with pytest.raises(ValueError, match="reward='shiny'"):
+        make_env("style_preference", {"reward": "shiny"})
+
+
 def test_style_demonstrator_writes_every_style_alike_about_the_topic() -> None:
     """What tools/warm_start.py imitates for the online-adaptation experiment: one style per sentence, each about a
     third of the time; a mistake is a sentence with no markers at all."""

@@ -4,7 +4,13 @@ One-turn writing prompts. The reward prefers one style — cute, chuunibyou or c
 switches on a schedule: every `period` weight versions (schedule="version", default: the step the learner is at,
 read from the newest version among the trajectory's tokens) or every `period` finished episodes of this
 environment object (schedule="episodes"). The active style is recorded in the trajectory metadata (`style`).
-Reward = hits of the active style's marker words / (1 + hits of the other styles' markers), capped at 1.
+Reward (reward="ratio", default) = hits of the active style's marker words / (1 + hits of the other styles'
+markers), capped at 1. reward="graded" scores in steps of 0.25 around a neutral 0.5: +0.25 per marker of the active
+style, -0.25 per marker of the others (each counted up to 2), clipped to [0, 1]; a sentence in the old style then
+scores below a plain one, so after a switch the rewards still differ and every baseline has something to rank.
+Whatever the reward, the metadata carry `style_score` (the ratio score under the active style: the measure of
+adaptation, 0 for a plain sentence) and `next_style_score` (the same under the style the next switch brings: how
+reachable it is before the switch).
 `demonstrate` writes in every style alike, so a model warm-started on it (tools/warm_start.py) can be steered to
 any of them by the reward, as a pre-trained LLM can: what experiments/online_adaptation.py starts from.
 """
@@ -31,11 +37,26 @@ HELDOUT_TOPICS = ("a river", "an owl", "the stars", "a snowy morning", "lunch", 
 """Topics no training prompt names: the held-out prompts of evaluation (make_heldout_prompts)."""
 
 
-def style_score(text: str, style: str) -> float:
+REWARDS = ("ratio", "graded")
+
+
+def marker_hits(text: str) -> dict[str, int]:
     words = re.findall(r"[a-z]+|~", text.lower())
-    hits = {s: sum(words.count(m) for m in MARKERS[s]) for s in STYLES}
+    return {s: sum(words.count(m) for m in MARKERS[s]) for s in STYLES}
+
+
+def style_score(text: str, style: str) -> float:
+    """The ratio score: hits of `style`'s markers / (1 + hits of the others'), capped at 1."""
+    hits = marker_hits(text)
     others = sum(v for s, v in hits.items() if s != style)
     return min(1.0, hits[style] / (1.0 + others))
+
+
+def graded_score(text: str, style: str) -> float:
+    """0.5 + 0.25 x (markers of `style`, up to 2) - 0.25 x (markers of the other styles, up to 2), in [0, 1]."""
+    hits = marker_hits(text)
+    others = sum(v for s, v in hits.items() if s != style)
+    return min(1.0, max(0.0, 0.5 + 0.25 * min(hits[style], 2) - 0.25 * min(others, 2)))
 
 
 @dataclass
@@ -49,18 +70,23 @@ class StyleEpisode(Episode):
 
     def reward(self) -> float:
         assert self.env is not None
-        style = self.env.style_for(self)
-        self.metadata["style"] = style
-        return style_score(self.text, style)
+        style, upcoming = self.env.styles_for(self)
+        self.metadata.update(style=style, style_score=style_score(self.text, style),
+                             next_style_score=style_score(self.text, upcoming))  # fmt: skip
+        return graded_score(self.text, style) if self.env.reward_kind == "graded" else self.metadata["style_score"]
 
 
 @register
 class StylePreferenceEnv(Environment):
     name = "style_preference"
 
-    def __init__(self, period: int = 50, schedule: str = "version", styles: list[str] | None = None) -> None:
+    def __init__(self, period: int = 50, schedule: str = "version", styles: list[str] | None = None,
+                 reward: str = "ratio") -> None:  # fmt: skip
         if schedule not in ("version", "episodes"):
             raise ValueError(f"schedule={schedule!r}; use 'version' or 'episodes'")
+        if reward not in REWARDS:
+            raise ValueError(f"reward={reward!r}; use one of {', '.join(REWARDS)}")
+        self.reward_kind = reward
         if period < 1:
             raise ValueError(f"period={period} must be >= 1")
         self.styles = tuple(styles or STYLES)
@@ -76,10 +102,16 @@ class StylePreferenceEnv(Environment):
         return self.styles[(clock // self.period) % len(self.styles)]
 
     def style_for(self, episode: StyleEpisode) -> str:
+        return self.styles_for(episode)[0]
+
+    def styles_for(self, episode: StyleEpisode) -> tuple[str, str]:
+        """The style preferred for `episode` and the one the next switch brings."""
         if self.schedule == "episodes":
             with self._lock:
-                return self.active_style(next(self._finished))
-        return self.active_style(episode.weight_version)
+                clock = next(self._finished)
+        else:
+            clock = episode.weight_version
+        return self.active_style(clock), self.active_style(clock + self.period)
 
     def demonstrate(self, context: str, rng: Any, mistake_rate: float) -> str:
         """A sentence about the prompt's topic in one of this environment's styles, picked uniformly (a model that
