@@ -40,13 +40,14 @@ from experiments.harness import (
     Run,
     apply_quick,
     mean_spread,
+    measured,
     publish,
     pyplot,
     rolling,
     save_figure,
     warm_agentic_model,
 )
-from experiments.learning_efficiency import PRIMARY, QUICK, add_agentic_args, cell, full_windows, run_arms
+from experiments.learning_efficiency import PRIMARY, QUICK, add_agentic_args, full_windows, run_arms
 from experiments.stats import Criterion, judge, verdict_lines
 
 CRITIC_MLPS = '"*.mlp.experts.*", "*.mlp.shared_experts.*", "*.mlp.linear_fc*", "output_layer.*"'
@@ -110,8 +111,8 @@ def table(rows: dict[str, list[dict[str, Any]]]) -> str:
     for label, seeds in rows.items():
         col = {k: [s[k] for s in seeds] for k in seeds[0]}
         out.append(
-            f"| `{label}`: {WHAT[label]} | {len(seeds)} | **{cell(col['held_out'])}** | "
-            f"{cell(col['held_out_greedy'])} | {mean_spread(col['final_reward'])} | "
+            f"| `{label}`: {WHAT[label]} | {len(seeds)} | **{measured(col['held_out'])}** | "
+            f"{measured(col['held_out_greedy'])} | {mean_spread(col['final_reward'])} | "
             f"{mean_spread(col['masked_frac'])} | "
             f"{mean_spread(col['logprob_gap'])} | {mean_spread(col['ratio_max'])} | "
             f"{mean_spread(col['explained_variance'])} | {mean_spread(col['value_loss'])} | "

@@ -57,7 +57,7 @@ from experiments.harness import (
     RunSpec,
     add_common_args,
     apply_quick,
-    mean_spread,
+    measured,
     publish,
     pyplot,
     rolling,
@@ -140,14 +140,11 @@ def table(by_arm: dict[str, list[dict[str, Any]]]) -> str:
     rows = ["| arm | seeds | held-out success (sampled) | greedy pass@1 | trained reward | policy steps | tokens | "
             "wall (s) | decoy share | staleness max |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
 
-    def cell(values: list[Any]) -> str:
-        return "–" if all(v is None for v in values) else mean_spread([v for v in values if v is not None])
-
     for arm, seeds in by_arm.items():
         col = {k: [s[k] for s in seeds] for k in seeds[0]}
-        rows.append(f"| `{arm}` | {len(seeds)} | **{cell(col['held_out'])}** | {cell(col['held_out_greedy'])} | "
-                    f"{cell(col['trained_reward'])} | {cell(col['policy_steps'])} | {cell(col['generated_tokens'])} | "
-                    f"{cell(col['wall_s'])} | {cell(col['decoy_share'])} | {cell(col['stale_max'])} |")  # fmt: skip
+        cells = [measured(col[k]) for k in ("held_out_greedy", "trained_reward", "policy_steps", "generated_tokens",
+                                            "wall_s", "decoy_share", "stale_max")]  # fmt: skip
+        rows.append(f"| `{arm}` | {len(seeds)} | **{measured(col['held_out'])}** | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 

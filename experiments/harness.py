@@ -379,6 +379,11 @@ def mean_spread(values: Sequence[float | None]) -> str:
     return text + (f" ({len(got)}/{len(values)} seeds)" if len(got) < len(values) else "")
 
 
+def measured(values: Sequence[Any]) -> str:
+    """mean_spread of the values a measurement gave ('–' when none did: a measure not taken, not a level missed)."""
+    return "–" if all(v is None for v in values) else mean_spread([v for v in values if v is not None])
+
+
 def write_section(results: Path, name: str, body: str) -> None:
     """Replace the text between `<!-- experiments:NAME -->` and `<!-- /experiments:NAME -->` in `results` (appended,
     with the markers, when they are not there yet): the tables in docs/results.md are what the scripts printed."""

@@ -51,6 +51,7 @@ from experiments.harness import (
     apply_quick,
     first_reach,
     mean_spread,
+    measured,
     on_grid,
     publish,
     pyplot,
@@ -171,19 +172,16 @@ def table(summaries: list[dict[str, Any]], target: float) -> str:
     for s in summaries:
         col = {k: [seed[k] for seed in s["seeds"]] for k in s["seeds"][0]}
         rows.append(
-            f"| `{s['arm']}` | {len(s['seeds'])} | **{cell(col['held_out'])}** | {cell(col['held_out_greedy'])} | "
+            f"| `{s['arm']}` | {len(s['seeds'])} | **{measured(col['held_out'])}** | "
+            f"{measured(col['held_out_greedy'])} | "
             f"{mean_spread(col['first_reward'])} → "
             f"{mean_spread(col['final_reward'])} | {mean_spread(col['time_to_target_s'])} | "
             f"{mean_spread(col['tokens_to_target'])} | {mean_spread(col['trajectories'])} | "
             f"{mean_spread(col['policy_steps'])} | {mean_spread(col['wall_s'])} | "
             f"{mean_spread(col['generated_tokens'])} | {mean_spread(col['trained_share'])} | "
-            f"{mean_spread(col['staleness_mean'])} / {cell(col['staleness_max'])} |"
+            f"{mean_spread(col['staleness_mean'])} / {measured(col['staleness_max'])} |"
         )
     return "\n".join(rows)
-
-
-def cell(values: list[Any]) -> str:
-    return "–" if all(v is None for v in values) else mean_spread([v for v in values if v is not None])
 
 
 def plot(by_arm: dict[str, list[Run]], window: int, target: float, png: Path) -> None:
