@@ -420,6 +420,7 @@ def agent_path(hf_dir: str, work: Path, args: argparse.Namespace, results: dict[
     second TP=2 engine, the agent pausing it in place for the handover as it must an SGLang engine; both engines
     load in place as SGLang does (--load-in-place: one copy per update, no staging)."""
     from megatron_sao.distributed import spawn_ranks
+    from megatron_sao.engines.client import SGLangClient
 
     engines = {
         k: _start_engine(hf_dir, work, f"agent_{k}", "--tp-size", "2", "--load-in-place") for k in ("full", "agent")
@@ -440,11 +441,13 @@ def agent_path(hf_dir: str, work: Path, args: argparse.Namespace, results: dict[
         opts = {"bucket_mb": args.bucket_mb, "repeats": args.repeats,
                 "modes": {"full": ("full", "in_place"), "agent": ("auto", "auto")}}  # fmt: skip
         (out,) = spawn_ranks(_tp2_rank, 1, hf_dir, urls, find_port(), opts, timeout_s=3000)
+        handover = SGLangClient(agent_url).server_info()["handover"]  # where the engine's stop went, per phase
     finally:
         for proc in [p for p, _ in engines.values()] + ([agent] if agent is not None else []):
             proc.kill()
             proc.wait()
     results["agent"] = out
+    results["agent_handover"] = handover
     med = {k: statistics.median(v) for k, v in out.items() if v}
     print(f"TP=2 engines: full push paused in place (SGLang's path) vs through a push agent, {args.repeats} repeats "
           "(medians):")  # fmt: skip
@@ -457,6 +460,9 @@ def agent_path(hf_dir: str, work: Path, args: argparse.Namespace, results: dict[
         held = [h / s for h, s in zip(out[f"{key}_held_s"], out[f"{key}_s"])]
         print(f"engine stall / push ({key}: paused + commit, counted by the engine) {statistics.median(held):.2f} "
               f"(runs {', '.join(f'{x:.2f}' for x in held)})")  # fmt: skip
+    n = max(handover["handovers"], 1)
+    print(f"agent handover, mean of {handover['handovers']} (the first included): "
+          + ", ".join(f"{k} {1000 * v / n:.0f} ms" for k, v in handover.get("phases_s", {}).items()))  # fmt: skip
 
 
 def _delta_rank(hf_dir: str, urls: dict[str, str], port: int, lr: float, args: dict[str, Any]) -> dict[str, Any]:

@@ -98,7 +98,9 @@ def test_online_adaptation_quick(tmp_path: Path) -> None:
         for s in seed["switches"]:  # every switch either recovered, censored at the period, or without a target
             assert s["status"] in ("recovered", "censored", "no pre-switch level", "not reached")
             assert (s["versions"] == 3) if s["censored"] else (s["versions"] is None or 0 <= s["versions"] < 3)
-    assert [c["name"] for c in data["criteria"]] == ["O1"] and data["criteria"][0]["holds"] is None  # one seed
+    # O1 only where both arms measured a recovery time (a seed without any pre-switch level has none); one seed: no
+    # verdict either way
+    assert {c["name"] for c in data["criteria"]} <= {"O1"} and all(c["holds"] is None for c in data["criteria"])
     section = _section(results, "online_adaptation_quick")
     assert section.count("\n| `") == 2 and "**GATE**" in section
 
