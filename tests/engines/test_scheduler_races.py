@@ -98,7 +98,8 @@ def test_retract_during_a_prefill_requeues_instead_of_aborting():
 
 def test_the_engine_counts_the_time_a_push_stopped_it_for():
     """load()'s boundary_s: time spent in calls run at a token boundary (a push's commit); paused_s: time between
-    /pause_generation and /continue_generation. Neither counts decoding."""
+    /pause_generation and /continue_generation (a call run while paused counts there, not twice). Neither counts
+    decoding."""
     import time
 
     runner = GatedRunner()
@@ -111,6 +112,9 @@ def test_the_engine_counts_the_time_a_push_stopped_it_for():
         sched.pause("in_place")
         time.sleep(0.2)
         assert sched.load()["paused_s"] >= 0.2  # counted while still paused
+        boundary = sched.load()["boundary_s"]
+        sched.at_boundary(lambda: time.sleep(0.2))  # a commit while paused: counted once, in paused_s
+        assert sched.load()["boundary_s"] == boundary and sched.load()["paused_s"] >= 0.4
         sched.resume()
         paused = sched.load()["paused_s"]
         time.sleep(0.1)

@@ -73,7 +73,7 @@ class Scheduler:
         self.stats = {"generated_tokens": 0, "decode_steps": 0, "prefills": 0, "finished": 0, "aborted": 0}
         self.busy_s = 0.0  # time in forward passes (prefills and decode steps) since start
         # time the engine did not decode because of a push: calls run at a token boundary (a push's commit, a
-        # version switch) and time paused with requests to serve (/pause_generation until /continue_generation)
+        # version switch) while not paused, and time paused (/pause_generation until /continue_generation)
         self.boundary_s = 0.0
         self.paused_s = 0.0
         self.weight_commits = 0  # weight updates applied since start (/server_info weight_commits)
@@ -216,7 +216,7 @@ class Scheduler:
                     except Exception as e:  # handed to the caller of at_boundary
                         box.append((False, e))
                     done.set()
-                if calls:
+                if calls and not self._paused:  # while paused the time counts once, in paused_s
                     self.boundary_s += time.monotonic() - t_boundary
                 if self._paused:
                     continue

@@ -817,7 +817,23 @@ class WeightUpdater:
         return out
 
     def apply(self, update: ReceivedUpdate) -> None:
-        """Copy a validated update into the model (called by the scheduler between forward passes)."""
+        """Copy a validated update into the model (called by the scheduler between forward passes); at --tp-size > 1
+        every other rank copies its own at the same time (each holds its update since the receive)."""
+        if self.peers is None:
+            self._apply_here(update)
+            return
+        from megatron_sao.engines.embedded.tp import fatal, refusals
+
+        self.peers.send("step", "apply")  # the other ranks commit theirs at this same token boundary, meanwhile
+        try:
+            self._apply_here(update)
+        except Exception as e:  # the other ranks applied theirs: the ranks' weights now differ
+            self.peers.collect("step")
+            fatal(f"a committed push failed to apply on TP rank {self.tp_rank}, the ranks' weights now differ: {e!r}")
+        if (refused := refusals(self.peers.collect("step"))) is not None:
+            fatal(f"a committed push failed to apply on another rank, the ranks' weights now differ: {refused}")
+
+    def _apply_here(self, update: ReceivedUpdate) -> None:
         split: dict[str, list[tuple[tuple[int, int], torch.Tensor]]] = {}
         boxes: dict[str, list[tuple[tuple[int, int], torch.Tensor]]] = {}
         with torch.no_grad():
@@ -833,11 +849,6 @@ class WeightUpdater:
             self.shards.write_boxes(key, parts)
         if self.fp8 is not None:  # the forward runs on the FP8 weights' dequantization
             self.fp8.refresh({t.key for t in update.targets})
-        if self.peers is not None:  # the other ranks commit theirs at this same token boundary
-            from megatron_sao.engines.embedded.tp import fatal, refusals
-
-            if (refused := refusals(self.peers.call("step", "apply"))) is not None:
-                fatal(f"a committed push failed to apply on another rank, the ranks' weights now differ: {refused}")
 
 
 def _block_part(block_groups: Any, rank: int, world_size: int) -> tuple[int, list[int]]:
