@@ -134,6 +134,7 @@ def _whitened_step(hf_dir: str, trajectories, whiten: bool) -> dict[str, Any]:
     return {"x": {"policy": local_shards(learner.policy.model)}, "metrics": metrics}
 
 
+@pytest.mark.slow  # default tier: tests/algo/test_advantages.py's whitening over every shard's moments
 @pytest.mark.multiproc
 def test_whitening_normalizes_the_whole_step_across_data_parallel_ranks(tiny_hf_dir):
     hf_dir = str(tiny_hf_dir("qwen3_moe"))

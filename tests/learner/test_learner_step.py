@@ -201,6 +201,7 @@ def test_moe_auxiliary_loss_enters_the_policy_gradient_and_is_logged(tiny_hf_dir
     assert moved > 1e-6, "the auxiliary loss did not change the router update"
 
 
+@pytest.mark.slow  # default tier: the layout test's even PP=2 split steps like one rank
 @pytest.mark.multiproc
 def test_uneven_pipeline_split_steps_like_one_rank(tmp_path):
     """3 layers on PP=2 (1 + 2, megatron's uneven split chosen by parallel.stage_layers); glm4_moe's first layer

@@ -47,8 +47,10 @@ LAYOUTS = [
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize(("family", "layout"), LAYOUTS, ids=[f"{f}-{'-'.join(map(str, lay.items()))}"
-                                                              for f, lay in LAYOUTS])  # fmt: skip
+@pytest.mark.parametrize(("family", "layout"), [
+    pytest.param(f, lay, id=f"{f}-{'-'.join(map(str, lay.items()))}",
+                 marks=[pytest.mark.slow] if f == "glm4_moe" else [])  # default tier: TP2xPP2 and TP2xEP2
+    for f, lay in LAYOUTS])  # fmt: skip
 def test_stage_gathers_reproduce_the_hf_checkpoint_within_the_memory_bound(
     tiny_hf_dir: Any, family: str, layout: dict[str, int]
 ) -> None:
