@@ -88,6 +88,7 @@ def test_calibration_meets_the_target(tmp_path: Path) -> None:
     assert "speed-up sao/grpo: simulated" in done.stdout
 
 
+@pytest.mark.slow  # default tier: the arms' timeline unit tests above and the calibration run through the same CLI
 @pytest.mark.multiproc
 def test_projection_prints_every_arm(tmp_path: Path) -> None:
     out = tmp_path / "qwen.json"
