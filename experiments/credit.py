@@ -57,6 +57,7 @@ from experiments.harness import (
     RunSpec,
     add_common_args,
     apply_quick,
+    chosen_arms,
     measured,
     publish,
     pyplot,
@@ -185,10 +186,7 @@ def main() -> None:
     args = p.parse_args()
     suffix = apply_quick(args, QUICK)
     args.model = warm_agentic_model(env_options=TASK, name="warm_decoys", warm_args=WARM)
-    arms = [a for a in args.arms.split(",") if a]
-    unknown = sorted(set(arms) - set(ARMS))
-    if unknown:
-        raise SystemExit(f"--arms: unknown {unknown}; choose from {', '.join(ARMS)}")
+    arms = chosen_arms(args.arms, ARMS)
     runs: dict[str, list[Run]] = {a: [] for a in arms}
     for seed in range(args.seeds):  # seeds outermost: a pair of arms differs only by the arm
         for arm in arms:

@@ -379,6 +379,15 @@ def mean_spread(values: Sequence[float | None]) -> str:
     return text + (f" ({len(got)}/{len(values)} seeds)" if len(got) < len(values) else "")
 
 
+def chosen_arms(spec: str, known: dict[str, Any]) -> list[str]:
+    """The arms a comma-separated --arms names, in its order; SystemExit naming any unknown one."""
+    arms = [a for a in spec.split(",") if a]
+    unknown = sorted(set(arms) - set(known))
+    if unknown:
+        raise SystemExit(f"--arms: unknown {unknown}; choose from {', '.join(known)}")
+    return arms
+
+
 def measured(values: Sequence[Any]) -> str:
     """mean_spread of the values a measurement gave ('–' when none did: a measure not taken, not a level missed)."""
     return "–" if all(v is None for v in values) else mean_spread([v for v in values if v is not None])

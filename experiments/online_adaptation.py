@@ -52,6 +52,7 @@ from experiments.harness import (
     RunSpec,
     add_common_args,
     apply_quick,
+    chosen_arms,
     mean_spread,
     publish,
     pyplot,
@@ -210,10 +211,7 @@ def main() -> None:
     args = p.parse_args()
     suffix = apply_quick(args, QUICK)
     model = warm_style_model()
-    arms = [a for a in args.arms.split(",") if a]
-    unknown = sorted(set(arms) - set(ARMS))
-    if unknown:
-        raise SystemExit(f"--arms: unknown {unknown}; choose from {', '.join(ARMS)}")
+    arms = chosen_arms(args.arms, ARMS)
     runs: dict[str, list[Run]] = {a: [] for a in arms}
     for seed in range(args.seeds):  # seeds outermost: a pair of arms differs only by the arm
         for label in arms:

@@ -39,6 +39,16 @@ def _post(client: SGLangClient, body: dict[str, Any]) -> Any:
         return e
 
 
+def _scaled_copy(hf_dir: Path, ref_dir: Path, factor: float) -> tuple[dict[str, torch.Tensor], Path]:
+    """The model's weights times `factor`, and a copy of the model directory holding them (the reference engine's)."""
+    shutil.copytree(hf_dir, ref_dir)
+    new = {n: (t * factor).contiguous() for n, t in _weights(hf_dir).items()}
+    for f in [*ref_dir.glob("*.safetensors"), *ref_dir.glob("*.safetensors.index.json")]:
+        f.unlink()
+    save_file(new, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
+    return new, ref_dir
+
+
 class _Evil:
     def __reduce__(self) -> Any:
         return (os.system, ("true",))
@@ -107,12 +117,7 @@ def test_direct_payloads_give_each_tp_rank_its_block_and_serve_what_the_full_wei
     exactly those bytes, and the engine then generates what a TP=1 engine loading the same weights generates."""
     hf_dir = Path(tiny_hf_dir("qwen3_moe"))
     two = start_engine(hf_dir, "--tp-size", "2")
-    ref_dir = tmp_path / "scaled"
-    shutil.copytree(hf_dir, ref_dir)
-    new = {n: (t * 0.75).contiguous() for n, t in _weights(hf_dir).items()}
-    for f in [*ref_dir.glob("*.safetensors"), *ref_dir.glob("*.safetensors.index.json")]:
-        f.unlink()
-    save_file(new, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
+    new, ref_dir = _scaled_copy(hf_dir, tmp_path / "scaled", 0.75)
     one = start_engine(ref_dir)
     two.wait_healthy()
     one.wait_healthy()
@@ -154,12 +159,7 @@ def test_an_engine_that_loads_in_place_serves_each_update_at_its_call_and_says_w
     so, until a complete push lands."""
     hf_dir = Path(tiny_hf_dir("qwen3_moe"))
     two = start_engine(hf_dir, "--tp-size", "2", "--load-in-place")
-    ref_dir = tmp_path / "scaled"
-    shutil.copytree(hf_dir, ref_dir)
-    new = {n: (t * 0.75).contiguous() for n, t in _weights(hf_dir).items()}
-    for f in [*ref_dir.glob("*.safetensors"), *ref_dir.glob("*.safetensors.index.json")]:
-        f.unlink()
-    save_file(new, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
+    new, ref_dir = _scaled_copy(hf_dir, tmp_path / "scaled", 0.75)
     one = start_engine(ref_dir)
     two.wait_healthy()
     one.wait_healthy()
