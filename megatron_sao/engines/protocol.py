@@ -418,7 +418,7 @@ class ServerProtocol:
         """Takes the `delta` field (weight deltas against a kept base, distributed/delta.py): the embedded engine
         and the push agent, with sessions (a base is made at a session's commit); a real SGLang server never -- it
         takes deltas through an agent, which hands each rank its full slice."""
-        return (self.embedded or self.agent) and self.session and not self.in_place
+        return self.staged
 
     @property
     def routed_experts(self) -> bool:
