@@ -109,6 +109,8 @@ class EngineSet:
         self.delta_base: int | None = None  # the version the sources' bases hold (the last push that kept them)
         self.delta: DeltaPlan | None = None  # this push's deltas
         self.commits: dict[str, int] = {}  # url -> the weight updates it had applied when the last push landed
+        self.norms: dict[str, list[dict[str, str]]] = {}  # url -> what /weights_checker showed of its norms then,
+        # per rank (engines that count no commits: SGLang)
         self.changed_under: list[str] = []  # engines whose weights changed since the last push without one of ours
 
     # ---- membership ---------------------------------------------------------------------------------------------
@@ -133,11 +135,15 @@ class EngineSet:
         return not restarted and not self._changed_under([u for u in known if u not in restarted])
 
     def _changed_under(self, urls: list[str]) -> list[str]:
-        """The engines (of those that show /server_info weight_commits: the embedded engine and push agents) whose
-        weights changed since the last push of ours landed on them: someone else pushed (under any version). Each is
+        """The engines whose weights changed since the last push of ours landed on them: someone else pushed (under
+        any version). The embedded engine and push agents count the updates they applied (/server_info
+        weight_commits: exact, free); SGLang counts none, so its norms' checksums (/weights_checker, the few tensors
+        every push of a whole model rewrites) are compared with what it showed when our push landed. Each is
         logged, counted in this push's sync/changed_under, and gets a whole push over groups formed again."""
         counted = [u for u in urls if u in self.commits]
+        hashed = [u for u in urls if u in self.norms and u not in self.commits]
         said = in_threads({u: (lambda u=u: self.clients[u].server_info()) for u in counted}, 30.0)
+        shown = in_threads({u: (lambda u=u: _norm_checksums(self.clients[u])) for u in hashed}, 120.0)
         changed = []
         for u in counted:
             now = said.get(u).get(WEIGHT_COMMITS_INFO) if isinstance(said.get(u), dict) else None
@@ -146,7 +152,17 @@ class EngineSet:
                             "landed on it: its weights changed under it; it gets a whole push", u,
                             now - self.commits[u])  # fmt: skip
                 changed.append(u)
-                self.commits.pop(u)
+        for u in hashed:
+            now = shown.get(u)
+            if isinstance(now, list) and now != self.norms[u]:
+                differ = sorted({n for held, was in zip(now, self.norms[u]) for n in was if held.get(n) != was[n]})
+                log.warning("weight sync: engine %s shows other checksums of %s than when the last push of this run "
+                            "landed on it: its weights changed under it; it gets a whole push", u,
+                            ", ".join(differ[:3]) + (" ..." if len(differ) > 3 else "") or "its ranks")  # fmt: skip
+                changed.append(u)
+        for u in changed:
+            self.commits.pop(u, None)
+            self.norms.pop(u, None)
         if changed:
             self.changed_under += changed
             self.delta_base = None  # its bases may be anything now
@@ -339,12 +355,17 @@ class EngineSet:
             elif m.url in bad:
                 self.held.pop(m.url, None)
             self.commits.pop(m.url, None)
-        if version is not None:  # what each engine that took this push has applied, to see later pushes not ours
-            shows = [self.clients[m.url] for m in spec.members if m.url not in bad and m.protocol.embedded]
-            said = self._each(shows, lambda c: c.server_info())
+            self.norms.pop(m.url, None)
+        if version is not None:  # what each engine that took this push holds, to see later pushes not ours
+            landed = [m for m in spec.members if m.url not in bad]
+            said = self._each([self.clients[m.url] for m in landed if m.protocol.embedded], lambda c: c.server_info())
             for url, answer in said.items():
                 if isinstance(answer, dict) and isinstance(answer.get(WEIGHT_COMMITS_INFO), int):
                     self.commits[url] = answer[WEIGHT_COMMITS_INFO]
+            hashed = [self.clients[m.url] for m in landed if m.url not in self.commits and m.protocol.weights_checker]
+            for url, answer in self._each(hashed, _norm_checksums).items():
+                if isinstance(answer, list) and any(answer):
+                    self.norms[url] = answer
         # the sources' bases move to this version only when it landed on every engine (sync.py settles them alike)
         self.delta_base = version if self.delta is not None and version is not None and not bad else None
         staged = {m.url for m in spec.members if m.protocol.staged}
@@ -473,6 +494,12 @@ def _begin(client: SGLangClient) -> Any:
     log.warning("weight sync: %s had a weight-update session open (a previous push was cut); closing it", client.url)
     _quietly(client.end_weight_update)
     return client.begin_weight_update()
+
+
+def _norm_checksums(client: SGLangClient) -> list[dict[str, str]]:
+    """Per rank, /weights_checker's checksums of the engine's norms (every other weight skipped: SGLang hashes only
+    what it is not told to skip, so this stays a few kilobytes of hashing however large the model)."""
+    return [r.get("checksums", {}) for r in client.weights_checksum(list(CHECKSUM_SKIP)).get("ranks", [])]
 
 
 def _compare_checksums(client: SGLangClient, sent: dict[str, str], skip: list[str]) -> str | None:

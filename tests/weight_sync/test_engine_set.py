@@ -42,6 +42,15 @@ class FakeEngine(SGLangClient):
     def weight_version(self) -> int:
         return self.held_version
 
+    norms: dict[str, str] | None = None  # what /weights_checker shows of the norms (None: the call fails)
+    skipped: list[str] | None = None
+
+    def weights_checksum(self, skip_tensor_list: list[str] | None = None) -> dict[str, Any]:
+        self.skipped = skip_tensor_list
+        if self.norms is None:
+            raise EngineError("POST /weights_checker: 404")
+        return {"success": True, "ranks": [{"checksums": dict(self.norms)}]}
+
     def health(self, timeout_s: float | None = None) -> bool:
         return True
 
@@ -422,8 +431,41 @@ def test_an_engine_whose_weights_a_push_not_ours_changed_is_counted_and_gets_a_w
         client.held_version = 4
     engines.conclude(spec, {}, touched={a, b}, version=4)  # the whole push landed: a is counted again
     assert engines.commits == {a: 6, b: 5} and engines._same(list(URLS))
-    # SGLang shows no count: nothing recorded, nothing claimed
+    # SGLang without /weights_checker answers: nothing recorded, nothing claimed
     sglang = _engines()
     sglang.spec = _spec(ServerProtocol("0.5.23"))
     sglang.conclude(sglang.spec, {}, touched=set(URLS), version=3)
-    assert sglang.commits == {} and sglang._same(list(URLS))
+    assert sglang.commits == {} and sglang.norms == {} and sglang._same(list(URLS))
+
+
+def test_an_sglang_engine_whose_norms_a_push_not_ours_changed_is_counted_and_gets_a_whole_push() -> None:
+    """SGLang counts no commits: the learner keeps what /weights_checker shows of each engine's norms when its push
+    lands (the big weights skipped) and compares at the next look. A changed norm is a push not ours (logged,
+    counted, whole push over new groups); a checker that fails later claims nothing; a release without the checker
+    (before 0.5.6) is not watched."""
+    engines = _engines()
+    spec = _spec(ServerProtocol("0.5.23"))
+    a, b = URLS
+    for client in engines.clients.values():
+        client.norms = {"model.norm.weight": "11", "model.layers.0.input_layernorm.weight": "22"}
+    engines.spec = spec
+    engines.delta = None
+    engines.conclude(spec, {}, touched={a, b}, version=3)
+    assert engines.commits == {} and set(engines.norms) == {a, b} and engines._same(list(URLS))
+    assert "experts" in engines.clients[a].skipped and "proj" in engines.clients[a].skipped, "only norms hashed"
+    engines.clients[b].norms = {**engines.clients[b].norms, "model.norm.weight": "0"}  # someone pushed into b
+    engines.clients[a].norms = None  # a's checker fails this time: not a change
+    assert not engines._same(list(URLS))
+    assert engines.changed_under == [b] and b not in engines.norms and a in engines.norms
+    engines.clients[a].norms = {"model.norm.weight": "11", "model.layers.0.input_layernorm.weight": "22"}
+    for client in engines.clients.values():
+        client.held_version = 4
+    engines.conclude(spec, {}, touched={a, b}, version=4)  # the whole push landed: b is watched again
+    assert engines.norms[b] == [{"model.norm.weight": "0", "model.layers.0.input_layernorm.weight": "22"}]
+    assert engines._same(list(URLS))
+    old = _engines()
+    old.spec = _spec(ServerProtocol("0.5.5"))
+    for client in old.clients.values():
+        client.norms = {"model.norm.weight": "11"}
+    old.conclude(old.spec, {}, touched=set(URLS), version=3)
+    assert old.norms == {} and old._same(list(URLS))
