@@ -2,8 +2,13 @@
 
 One-turn writing prompts. The reward prefers one style — cute, chuunibyou or classical — and the preferred style
 switches on a schedule: every `period` weight versions (schedule="version", default: the step the learner is at,
-read from the newest version among the trajectory's tokens) or every `period` finished episodes of this
-environment object (schedule="episodes"). The active style is recorded in the trajectory metadata (`style`).
+read from the newest version among the trajectory's tokens), every `period` finished episodes of this
+environment object (schedule="episodes"), or once the policy has learned the style to `level` (schedule="level":
+the mean style score of the phase's last `window` finished episodes reaches `level`; the next style then applies
+from the version after the newest this environment has seen; a phase that does not reach it ends after `period`
+versions). Switching at a level leaves the next style within reach: a policy that has learned one style completely
+writes no other style's words any more, and nothing can reward them. The active style and its phase (0, 1, ...) are
+recorded in the trajectory metadata (`style`, `phase`).
 Reward (reward="ratio", default) = hits of the active style's marker words / (1 + hits of the other styles'
 markers), capped at 1. reward="graded" scores in steps of 0.25 around a neutral 0.5: +0.25 per marker of the active
 style, -0.25 per marker of the others (each counted up to 2), clipped to [0, 1]; a sentence in the old style then
@@ -17,6 +22,7 @@ any of them by the reward, as a pre-trained LLM can: what experiments/online_ada
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import random
 import re
@@ -38,6 +44,7 @@ HELDOUT_TOPICS = ("a river", "an owl", "the stars", "a snowy morning", "lunch", 
 
 
 REWARDS = ("ratio", "graded")
+SCHEDULES = ("version", "episodes", "level")
 
 
 def marker_hits(text: str) -> dict[str, int]:
@@ -70,9 +77,13 @@ class StyleEpisode(Episode):
 
     def reward(self) -> float:
         assert self.env is not None
-        style, upcoming = self.env.styles_for(self)
-        self.metadata.update(style=style, style_score=style_score(self.text, style),
-                             next_style_score=style_score(self.text, upcoming))  # fmt: skip
+        if "style" not in self.metadata:  # once per episode: a level schedule counts each score once
+            phase, style, upcoming = self.env.phase_for(self)
+            score = style_score(self.text, style)
+            self.metadata.update(style=style, phase=phase, style_score=score,
+                                 next_style_score=style_score(self.text, upcoming))  # fmt: skip
+            self.env.observe(phase, score)
+        style = self.metadata["style"]
         return graded_score(self.text, style) if self.env.reward_kind == "graded" else self.metadata["style_score"]
 
 
@@ -81,9 +92,15 @@ class StylePreferenceEnv(Environment):
     name = "style_preference"
 
     def __init__(self, period: int = 50, schedule: str = "version", styles: list[str] | None = None,
-                 reward: str = "ratio") -> None:  # fmt: skip
-        if schedule not in ("version", "episodes"):
-            raise ValueError(f"schedule={schedule!r}; use 'version' or 'episodes'")
+                 reward: str = "ratio", level: float = 0.5, window: int = 16) -> None:  # fmt: skip
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}; use one of {', '.join(SCHEDULES)}")
+        if not 0.0 < level <= 1.0 or window < 1:
+            raise ValueError(f"level={level} must be in (0, 1] and window={window} >= 1")
+        self.level, self.window = level, window
+        self._starts = [0]  # schedule="level": the weight version each phase began at
+        self._newest = 0  # the newest weight version seen
+        self._scores: list[float] = []  # the current phase's last `window` style scores
         if reward not in REWARDS:
             raise ValueError(f"reward={reward!r}; use one of {', '.join(REWARDS)}")
         self.reward_kind = reward
@@ -102,16 +119,38 @@ class StylePreferenceEnv(Environment):
         return self.styles[(clock // self.period) % len(self.styles)]
 
     def style_for(self, episode: StyleEpisode) -> str:
-        return self.styles_for(episode)[0]
+        return self.phase_for(episode)[1]
 
-    def styles_for(self, episode: StyleEpisode) -> tuple[str, str]:
-        """The style preferred for `episode` and the one the next switch brings."""
+    def phase_for(self, episode: StyleEpisode) -> tuple[int, str, str]:
+        """(the phase, the style preferred for `episode`, the one the next switch brings)."""
+        if self.schedule == "level":
+            with self._lock:
+                v = episode.weight_version
+                self._newest = max(self._newest, v)
+                while v >= self._starts[-1] + self.period:  # a phase that did not reach the level ends
+                    self._starts.append(self._starts[-1] + self.period)
+                    self._scores = []
+                phase = bisect.bisect_right(self._starts, v) - 1
+            return phase, self.styles[phase % len(self.styles)], self.styles[(phase + 1) % len(self.styles)]
         if self.schedule == "episodes":
             with self._lock:
                 clock = next(self._finished)
         else:
             clock = episode.weight_version
-        return self.active_style(clock), self.active_style(clock + self.period)
+        return clock // self.period, self.active_style(clock), self.active_style(clock + self.period)
+
+    def observe(self, phase: int, score: float) -> None:
+        """schedule="level": one finished episode's style score; the phase ends when its last `window` reach the
+        level (the next one starts at the version after the newest seen, so no episode already scored changes)."""
+        if self.schedule != "level":
+            return
+        with self._lock:
+            if phase != len(self._starts) - 1:
+                return  # an episode of an earlier phase, finished late
+            self._scores = [*self._scores, score][-self.window :]
+            if len(self._scores) == self.window and sum(self._scores) / self.window >= self.level:
+                self._starts.append(self._newest + 1)
+                self._scores = []
 
     def demonstrate(self, context: str, rng: Any, mistake_rate: float) -> str:
         """A sentence about the prompt's topic in one of this environment's styles, picked uniformly (a model that
