@@ -23,6 +23,23 @@ if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then  # launch.sh's own modes
   sed -n '/^"""/,/^"""/p' megatron_sao/cli.py | sed '1d;$d'
   exit 0
 fi
+if [ $# -gt 0 ]; then  # an unknown mode or command is named before anything is installed
+  known="style smollm2 $(sed -n 's/^@command("\([a-z_-]*\)").*/\1/p' megatron_sao/cli.py | tr '\n' ' ' | sed 's/ *$//')"
+  case " $known " in
+    *" $1 "*) ;;
+    *)
+      if [ "${1:0:1}" = "-" ]; then
+        echo "launch.sh: unknown flag $1: a mode or command comes first, its flags after it (./launch.sh --help)" >&2
+      else
+        close=$(python3 -c 'import difflib, sys; print(*difflib.get_close_matches(sys.argv[1], sys.argv[2:], n=1))' \
+          "$1" $known 2>/dev/null || true)
+        echo "launch.sh: unknown mode or command '$1'${close:+: did you mean '$close'?} (modes: style, smollm2, or" \
+          "none for the main job; commands: ${known#style smollm2 }; ./launch.sh --help)" >&2
+      fi
+      exit 2
+      ;;
+  esac
+fi
 source tools/setup_env.sh ""  # (not this script's arguments: they would name an extra)
 
 tiny_model() {  # tiny_model DIR HIDDEN: a random qwen3_moe with a tokenizer, made once

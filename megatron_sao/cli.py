@@ -231,14 +231,13 @@ def _plan(ns: argparse.Namespace, rest: list[str]) -> int:
         return 2
     from megatron_sao.plan.plan import Hardware, make_plan, read_hf_config, render
 
-    try:
-        hf = read_hf_config(cfg, args.config, args.hf_config)
-    except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     hw = Hardware(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_mem_gb=args.gpu_mem_gb,
                   engine_gpu_mem_gb=args.engine_gpu_mem_gb, ib_gbps=args.ib_gbps)  # fmt: skip
-    plan = make_plan(cfg, hf, hw, args.delta_density)
+    try:  # a config.json that is missing, damaged or of a family this project cannot train: exit 2, not "no fit"
+        plan = make_plan(cfg, read_hf_config(cfg, args.config, args.hf_config), hw, args.delta_density)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(render(plan, cfg, hw, args.config), end="")
     return 0 if plan.fits else 1
 
@@ -485,5 +484,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
+    if argv[0] not in COMMANDS:  # named, with the command it is closest to (argparse 3.11 only lists the choices)
+        if argv[0].startswith("-"):
+            parser.error(f"unknown flag {argv[0]}: a command comes first, its flags after it")
+        close = difflib.get_close_matches(argv[0], sorted(COMMANDS), n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        parser.error(f"unknown command {argv[0]}: {hint}(commands: {', '.join(sorted(COMMANDS))})")
     ns = parser.parse_args(argv[:1])
     return COMMANDS[ns.command](ns, argv[1:])

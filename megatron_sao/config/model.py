@@ -13,6 +13,25 @@ from megatron_sao.config.base import Section
 ModelFamily = Literal["qwen3_moe", "glm4_moe", "glm_moe_dsa", "qwen3", "llama"]
 
 
+def read_hf_config_json(path: str | Path) -> dict[str, Any]:
+    """An HF model's config.json (`path`: the file or the model directory). ValueError naming the file and the line
+    when it is cut short or not a JSON object: every reader of a model's config goes through here, so none reports a
+    bare "Expecting value: line 10 column 18"."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): the model's "
+                         "config is cut short or damaged; copy it from the model's source again") from None  # fmt: skip
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not a text file ({e.reason}): point at the model's config.json") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object: not an HF model config")
+    return data
+
+
 class TinyModelConfig(Section):
     """A tiny random model of `model.family` with a tokenizer (models/tiny.py; tools/make_tiny_model.py's options)."""
 
@@ -81,7 +100,7 @@ class ModelConfig(Section):
         path = Path(self.hf_path) / "config.json"
         if not path.is_file():
             return None
-        cfg = json.loads(path.read_text())
+        cfg = read_hf_config_json(path)
         cfg.update(self.hf_overrides)
         return cfg
 

@@ -8,7 +8,6 @@ same backbone with `ValueHead` as output layer.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any, Literal
 
 import torch
 
-from megatron_sao.config.model import ModelConfig
+from megatron_sao.config.model import ModelConfig, read_hf_config_json
 from megatron_sao.config.parallel import ParallelConfig
 from megatron_sao.models.families import HFConfig, ModelFamily, UnsupportedModelError, detect_family
 
@@ -92,7 +91,7 @@ class ModelSpec:
 
     @classmethod
     def from_hf_dir(cls, path: str | Path, **kwargs: Any) -> ModelSpec:
-        hf = json.loads((Path(path) / "config.json").read_text())
+        hf = read_hf_config_json(path)
         overrides = kwargs.pop("hf_overrides", None) or {}
         hf.update(overrides)
         return cls(family=detect_family(hf, kwargs.pop("family", None)), hf=hf, **kwargs)

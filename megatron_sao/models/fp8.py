@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_sao.config.model import read_hf_config_json
+
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -71,7 +73,7 @@ def checkpoint_format(model_dir: str | Path) -> Fp8Format | None:
     """The block-FP8 format of an HF checkpoint directory, or None when it is not one. ValueError for an FP8
     quantization_config this project cannot feed (not block-wise, or not e4m3)."""
     path = Path(model_dir)
-    config = json.loads((path / "config.json").read_text())
+    config = read_hf_config_json(path)
     quant = config.get("quantization_config")
     if not quant or quant.get("quant_method") != "fp8":
         return None

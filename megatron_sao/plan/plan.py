@@ -5,13 +5,13 @@ Every misfit names the config field to change; a learner that does not fit also 
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_sao.config.model import read_hf_config_json
 from megatron_sao.config.tree import SAOConfig
 from megatron_sao.models.builder import ModelSpec
 from megatron_sao.models.families import detect_family
@@ -208,7 +208,7 @@ def read_hf_config(cfg: SAOConfig, config_path: str | Path | None, hf_config: st
             candidates.append(Path(config_path).parent / "hf_config.json")
     for c in candidates:
         if c.is_file():
-            hf = json.loads(c.read_text())
+            hf = read_hf_config_json(c)
             hf.update(cfg.model.hf_overrides)
             return hf
     tried = ", ".join(str(c) for c in candidates) or "nothing"

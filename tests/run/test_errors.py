@@ -89,6 +89,14 @@ def test_what_a_config_names_is_resolved_before_anything_starts(tiny_hf_dir: Any
     assert done.returncode == 2 and "model.family=qwen3_moe but config.json says model_type" in done.stderr
     done = _cli("plan", *base[:1], "--model.hf_path", glm, "--model.family", "qwen3_moe", "--nodes", "1")
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    cut = tmp_path / "cut"  # a model whose config.json was cut short: the file and the line named, wherever read
+    cut.mkdir()
+    (cut / "config.json").write_text(Path(hf, "config.json").read_text()[:150])
+    done = _cli("config", "check", *base[:1], "--model.hf_path", str(cut))
+    assert done.returncode == 2 and f"{cut}/config.json is not valid JSON (" in done.stderr, done.stderr
+    done = _cli("plan", *base[:1], "--hf-config", str(cut), "--nodes", "1")
+    assert done.returncode == 2 and f"{cut}/config.json is not valid JSON" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
     done = _cli("eval", *base, "--checkpoint", str(tmp_path / "nope"))
     assert done.returncode == 2 and "--checkpoint " in done.stderr and "no such file" in done.stderr, done.stderr
     assert not (tmp_path / "run").exists()
@@ -102,6 +110,12 @@ def test_an_unknown_flag_is_named_with_the_flag_it_is_closest_to() -> None:
     assert done.returncode == 2 and "unknown flag --dryrun: did you mean --dry-run?" in done.stderr, done.stderr
     done = _cli("run", "examples/tiny_cpu/config.yaml", "--learner.max_step", "3")  # an override: its own message
     assert done.returncode == 2 and done.stderr.count("did you mean 'learner.max_steps'") == 1, done.stderr
+    done = _cli("plna", "examples/tiny_cpu/config.yaml")
+    assert done.returncode == 2 and "unknown command plna: did you mean plan?" in done.stderr, done.stderr
+    for argv, said in ((["stlye"], "unknown mode or command 'stlye': did you mean 'style'?"),
+                       (["--dryrun"], "unknown flag --dryrun: a mode or command comes first")):  # fmt: skip
+        done = subprocess.run(["./launch.sh", *argv], cwd=REPO, capture_output=True, text=True, timeout=30)
+        assert done.returncode == 2 and said in done.stderr and "[setup]" not in done.stderr, done.stderr
 
 
 @pytest.mark.multiproc

@@ -17,7 +17,6 @@ Refused (the agent does not start): an EPLB/redundant-expert placement, where th
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from typing import Any
 
 import torch
 
+from megatron_sao.config.model import read_hf_config_json
 from megatron_sao.distributed import flat_bucket
 
 DIRECT, HF = "direct", "hf"
@@ -93,7 +93,7 @@ def _safetensors_dtype(code: str) -> str:
 
 def expert_count(model_dir: str | Path) -> int:
     """Routed experts per MoE layer from config.json (0 for a dense model)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = read_hf_config_json(model_dir)
     cfg = cfg.get("text_config", cfg)
     return next((int(cfg[k]) for k in _EXPERT_COUNT_KEYS if cfg.get(k)), 0)
 
