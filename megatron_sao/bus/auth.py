@@ -68,11 +68,22 @@ def _load(path: str, what: str, need_secret: bool) -> tuple[bytes, bytes | None]
         raise ValueError(f"{what} key file {path} is not a ZeroMQ certificate ({e}); {_KEYGEN_HINT}") from e
     if need_secret and secret is None:
         raise ValueError(f"{what} key file {path} holds no secret key; point it at the .key_secret file")
+    for name, key in (("public-key", public), ("secret-key", secret)):
+        if key is not None and not _z85_key(key):  # (libzmq would only say "Invalid argument" at connect)
+            raise ValueError(f"{what} key file {path}: its {name} is not a CURVE key (40 Z85 characters); "
+                             f"{_KEYGEN_HINT}")  # fmt: skip
     mode = Path(path).stat().st_mode & 0o777
     if need_secret and mode & 0o077:
         raise ValueError(f"{what} key file {path} is open to other users (mode {mode:o}): a secret key must be its "
                          f"owner's alone; chmod 600 {path}")  # fmt: skip
     return public, secret
+
+
+def _z85_key(key: bytes) -> bool:
+    try:
+        return len(key) == 40 and len(zmq.utils.z85.decode(key)) == 32
+    except (ValueError, KeyError, IndexError, TypeError, OverflowError):
+        return False
 
 
 def _owner_writable_only(path: Path, what: str) -> None:

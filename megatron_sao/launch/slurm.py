@@ -263,9 +263,11 @@ class SlurmRun:
                 code = r.exited()
                 if code is None or (r.step.role == "worker" and code == 0):
                     continue  # running, or a worker that ran out of prompts
-                if r.restarts >= limit:
-                    print(f"[launch] {r.step.name} exited with {code} after {limit} restart(s) (launch.max_restarts);"
-                          " stopping the run", flush=True)  # fmt: skip
+                if code == 2 or r.restarts >= limit:  # 2: it refused its config, which a restart cannot change
+                    why = "refused its config (exit 2)" if code == 2 else \
+                        f"exited with {code} after {limit} restart(s) (launch.max_restarts)"  # fmt: skip
+                    print(f"[launch] {r.step.name} {why}; stopping the run. Its log ends:\n" + "\n".join(r.tail[-20:]),
+                          flush=True)  # fmt: skip
                     return 1
                 self._restart(r, code)
             time.sleep(POLL_S)

@@ -105,6 +105,13 @@ def test_missing_key_files_are_config_errors_with_a_fix(tmp_path: Path, keys: Pa
     bad = producer.model_copy(update={"curve_client_key": str(tmp_path / "nope.key_secret")})
     with pytest.raises(ValueError, match="does not exist"):
         TrajectorySender(bad, "good")
+    # a certificate whose key was mangled (libzmq would say only "Invalid argument" at connect): named
+    text = Path(producer.curve_server_public_key).read_text()
+    mangled = tmp_path / "mangled.key"
+    mangled.write_text(text.replace('public-key = "', 'public-key = "xx', 1))
+    bad = producer.model_copy(update={"curve_server_public_key": str(mangled)})
+    with pytest.raises(ValueError, match=rf"{mangled}: its public-key is not a CURVE key \(40 Z85"):
+        TrajectorySender(bad, "good")
 
 
 def test_keys_others_could_read_or_write_are_refused_naming_the_fix(tmp_path: Path, keys: Path) -> None:

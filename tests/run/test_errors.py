@@ -127,6 +127,21 @@ def test_launch_sh_help_describes_its_own_modes_first_without_installing_anythin
     assert "./launch.sh style" in done.stdout and "agent --engine URL" in done.stdout and "[setup]" not in done.stdout
 
 
+def test_a_role_that_refuses_its_config_is_not_restarted(tmp_path: Path) -> None:
+    """Exit 2 is a configuration error (a garbage bus key, a model dir without weights): the same at every start, so
+    the local supervisor stops the run at once with one message instead of restarting it launch.max_restarts times;
+    any other exit is restarted within the budget."""
+    from megatron_sao.run.local import Supervisor
+
+    (tmp_path / "logs").mkdir()
+    sup = Supervisor([], {}, [], lambda: None, tmp_path / "logs", max_restarts=5)
+    assert sup._may_restart("rollout worker", 1, "RuntimeError: lost") and sup.gave_up is None
+    assert not sup._may_restart("rollout worker", 2, "error: bus_keys/server.key is not a ZeroMQ certificate")
+    assert "rollout worker refused its config (exit 2)" in (sup.gave_up or "") and "server.key" in sup.gave_up
+    assert (tmp_path / "STOP").is_file()
+    assert not sup._may_restart("rollout worker", 2, "again") and "again" not in sup.gave_up  # said once
+
+
 @pytest.mark.multiproc
 def test_a_worker_that_always_fails_ends_the_run_with_one_message(tiny_hf_dir: Any, tmp_path: Path) -> None:
     """A rollout worker that dies at every start (an environment option its class does not take): after
