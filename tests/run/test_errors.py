@@ -144,8 +144,10 @@ def test_preflight_names_a_load_that_is_no_checkpoint_a_model_without_weights_an
     (run / "checkpoints" / "latest").write_text("iter_0000004\n")
     found = problems(load_config("examples/tiny_cpu/config.yaml", ["--model.hf_path", str(hf), "--learner.load",
                                                                   str(run)]), model_here=True)  # fmt: skip
-    assert found == [f"learner.load='{run}': not a checkpoint (it holds checkpoints/: point there); give a checkpoint "
-                     "directory (metadata.json in it), or a save_dir holding `latest` or iter_* checkpoints"], found
+    assert found == [
+        f"learner.load='{run}': not a checkpoint (it holds checkpoints/: point there); give a checkpoint "
+        "directory (metadata.json in it), or a save_dir holding `latest` or iter_* checkpoints"
+    ], found
     assert not problems(load_config("examples/tiny_cpu/config.yaml", ["--model.hf_path", str(hf), "--learner.load",
                                                                      str(run / "checkpoints")]), True)  # fmt: skip
     bare = tmp_path / "bare"
