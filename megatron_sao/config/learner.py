@@ -138,7 +138,7 @@ class LearnerConfig(Section):
     one that covers it are written, so a resume from an older checkpoint gets the abandoned steps' trajectories again
     and trains them. Spools hold this many more save intervals of trajectories; 0 frees them at once."""
 
-    keep_checkpoints: int | None = Field(default=None, ge=1)
+    keep_checkpoints: int | None = Field(default=5, ge=1)
     """Keep only the newest this many `iter_*` checkpoints of the policy (older ones are deleted after each save;
     `pretrain_*`, set-aside and the critic's own checkpoints stay). None keeps every one. At least
     fallback_checkpoints + 1: a resume may fall back over that many."""
