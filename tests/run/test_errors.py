@@ -100,6 +100,8 @@ def test_what_a_config_names_is_resolved_before_anything_starts(tiny_hf_dir: Any
     done = _cli("eval", *base, "--checkpoint", str(tmp_path / "nope"))
     assert done.returncode == 2 and "--checkpoint " in done.stderr and "no such file" in done.stderr, done.stderr
     assert not (tmp_path / "run").exists()
+    done = _cli("config", "check", "examples/tiny_agentic/config.yaml", "--model.hf_path", str(tmp_path / "none"))
+    assert done.returncode == 2 and "model.hf_path=" in done.stderr, done.stderr  # a local run's model: here
     done = _cli("config", "check", "examples/qwen3_30b/config.yaml")  # its model lives on the cluster
     assert done.returncode == 0 and "note: model.hf_path='/checkpoints/Qwen3-30B-A3B'" in done.stderr
 
@@ -160,7 +162,7 @@ def test_preflight_names_a_load_that_is_no_checkpoint_a_model_without_weights_an
     assert all(path in launch for path in MADE_BY), "MADE_BY names the paths launch.sh makes"
     monkeypatch.chdir(tmp_path)  # a fresh clone: the main job's model is not made yet
     found = problems(load_config(str(REPO / "examples/tiny_agentic/config.yaml")), model_here=True)
-    assert len(found) == 1 and "./launch.sh (its first step, tools/warm_start.py" in found[0], found
+    assert len(found) == 1 and "; ./launch.sh makes it in its first step (tools/warm_start.py" in found[0], found
 
 
 def test_a_role_that_refuses_its_config_is_not_restarted(tmp_path: Path) -> None:
