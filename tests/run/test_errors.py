@@ -201,6 +201,29 @@ def test_a_worker_that_always_fails_ends_the_run_with_one_message(tiny_hf_dir: A
     assert time.monotonic() - t0 < 300
 
 
+@pytest.mark.slow  # default-tier cover: the supervisor's exit-2 unit test and tests/bus/test_curve.py's key checks
+@pytest.mark.multiproc
+def test_a_garbage_bus_key_ends_the_run_at_once_naming_the_file(tiny_hf_dir: Any, tmp_path: Path) -> None:
+    """The run's server public key file is garbage (the secret beside it intact): the rollout worker refuses it
+    (exit 2), is not restarted, and the run exits 1 within a minute with one line naming the key file."""
+    import time
+
+    from megatron_sao.bus.auth import generate_keypair
+
+    run_dir = tmp_path / "run"
+    keys = run_dir / "bus_keys"
+    generate_keypair(keys, "server")
+    (keys / "server.key").write_text("not a certificate\n")
+    cmd = _cmd(tiny_hf_dir("qwen3_moe"), run_dir, "--learner.max_steps", "50")
+    t0 = time.monotonic()
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400, env=_env())
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "rollout worker refused its config (exit 2)" in errors[0], errors
+    assert "server.key" in errors[0] and "restarted" not in done.stdout, done.stdout[-2000:]
+    assert time.monotonic() - t0 < 60 + 30  # (30 s: the learner's own start on a busy 2-core machine)
+
+
 def test_a_local_run_moves_off_ports_another_process_holds_unless_they_were_asked_for() -> None:
     """Two local runs on one machine: the second finds its engine and bus ports (the config's, here free ports this
     test then holds) taken and takes free ones (run/local.py free_ports), printing which; a port given on the
