@@ -103,6 +103,18 @@ def main(argv: list[str]) -> int:
         lock.release()
 
 
+def _handshake_refusal(e: BaseException) -> BaseException | None:
+    """The BusHandshakeError behind `e` (the learner's bus does not take this worker's keys), or None."""
+    from megatron_sao.bus.sender_io import BusHandshakeError
+
+    seen: BaseException | None = e
+    for _ in range(16):  # (a chain is short; never follow a cycle)
+        if seen is None or isinstance(seen, BusHandshakeError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def _serve(cfg: Any, args: argparse.Namespace, sender: Any, stop: threading.Event, urls: list[str],
            shard: tuple[int, ...]) -> int:  # fmt: skip
     from megatron_sao.rollout.worker import worker_from_config
@@ -114,6 +126,12 @@ def _serve(cfg: Any, args: argparse.Namespace, sender: Any, stop: threading.Even
             status = worker.run(max_prompts=args.max_prompts, stop=stop)
         except WorkerIdInUse as e:
             print(f"error: {e}")
+            return 2
+        except RuntimeError as e:  # the bus refused this worker's keys: a config error a restart cannot change
+            refused = _handshake_refusal(e)
+            if refused is None:
+                raise
+            print(f"error: {refused}", flush=True)
             return 2
         except DiskFull as e:  # what was written is whole; the cursor and the spool stand
             with contextlib.suppress(OSError):  # the log itself may be on the full disk

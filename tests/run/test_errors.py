@@ -203,9 +203,11 @@ def test_a_worker_that_always_fails_ends_the_run_with_one_message(tiny_hf_dir: A
 
 @pytest.mark.slow  # default-tier cover: the supervisor's exit-2 unit test and tests/bus/test_curve.py's key checks
 @pytest.mark.multiproc
-def test_a_garbage_bus_key_ends_the_run_at_once_naming_the_file(tiny_hf_dir: Any, tmp_path: Path) -> None:
-    """The run's server public key file is garbage (the secret beside it intact): the rollout worker refuses it
-    (exit 2), is not restarted, and the run exits 1 within a minute with one line naming the key file."""
+@pytest.mark.parametrize("key", ["garbage", "another learner's"])
+def test_a_bad_bus_key_ends_the_run_at_once_naming_the_file(key: str, tiny_hf_dir: Any, tmp_path: Path) -> None:
+    """The run's server public key file is garbage, or a valid key of another learner (the secret beside it
+    intact): the rollout worker refuses it, or hears the bus refuse its handshake (exit 2 either way), is not
+    restarted, and the run exits 1 within a minute with one line naming the key file."""
     import time
 
     from megatron_sao.bus.auth import generate_keypair
@@ -213,7 +215,8 @@ def test_a_garbage_bus_key_ends_the_run_at_once_naming_the_file(tiny_hf_dir: Any
     run_dir = tmp_path / "run"
     keys = run_dir / "bus_keys"
     generate_keypair(keys, "server")
-    (keys / "server.key").write_text("not a certificate\n")
+    other = generate_keypair(tmp_path / "other", "server")[0].read_text()
+    (keys / "server.key").write_text("not a certificate\n" if key == "garbage" else other)
     cmd = _cmd(tiny_hf_dir("qwen3_moe"), run_dir, "--learner.max_steps", "50")
     t0 = time.monotonic()
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400, env=_env())
