@@ -68,41 +68,63 @@ def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
                           timeout=120, env=_env())  # fmt: skip
 
 
+def _in_process(capsys: pytest.CaptureFixture[str], *argv: str) -> subprocess.CompletedProcess[str]:
+    """The command line run in this process (no Python start: for commands that start nothing), as `_cli` reports."""
+    from megatron_sao.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(list(argv))
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(list(argv), code, out.out, out.err)
+
+
 @pytest.mark.multiproc
-def test_what_a_config_names_is_resolved_before_anything_starts(tiny_hf_dir: Any, tmp_path: Path) -> None:
+def test_what_a_config_names_is_resolved_before_anything_starts(
+    tiny_hf_dir: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """run/preflight.py: a misspelt environment, a checkpoint or prompt file that is not there, a model of another
     family: `config check` and `run` refuse them at once (exit 2, one line naming the field and the fix), before an
-    engine starts or a file is written; a cluster's model path that is not on this machine is only a note."""
+    engine starts or a file is written; a cluster's model path that is not on this machine is only a note. `run` and
+    `eval` start from the command line; `config check` and `plan` (which start nothing) run in this process."""
     hf = str(tiny_hf_dir("qwen3_moe"))
-    base = ["examples/tiny_cpu/config.yaml", "--model.hf_path", hf, "--launch.run_dir", str(tmp_path / "run")]
-    done = _cli("config", "check", *base, "--rollout.env.name", "keychain")
+    base = [str(REPO / "examples/tiny_cpu/config.yaml"), "--model.hf_path", hf, "--launch.run_dir",
+            str(tmp_path / "run")]  # fmt: skip
+    done = _in_process(capsys, "config", "check", *base, "--rollout.env.name", "keychain")
     assert done.returncode == 2 and done.stderr.count("error:") == 1, done.stderr
     assert "rollout.env.name='keychain': unknown environment" in done.stderr
     assert "did you mean 'key_chain'" in done.stderr
     done = _cli("run", *base, "--rollout.env.name", "keychain")
     assert done.returncode == 2 and "rollout.env.name='keychain'" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
-    done = _cli("config", "check", *base, "--learner.load", str(tmp_path / "nope"), "--eval.prompts", "/nope.jsonl")
+    done = _in_process(
+        capsys, "config", "check", *base, "--learner.load", str(tmp_path / "nope"), "--eval.prompts", "/nope.jsonl"
+    )
     assert done.returncode == 2 and "learner.load=" in done.stderr and "eval.prompts='/nope.jsonl'" in done.stderr
     glm = str(tiny_hf_dir("glm4_moe"))
-    done = _cli("config", "check", *base[:1], "--model.hf_path", glm, "--model.family", "qwen3_moe")
+    done = _in_process(capsys, "config", "check", *base[:1], "--model.hf_path", glm, "--model.family", "qwen3_moe")
     assert done.returncode == 2 and "model.family=qwen3_moe but config.json says model_type" in done.stderr
-    done = _cli("plan", *base[:1], "--model.hf_path", glm, "--model.family", "qwen3_moe", "--nodes", "1")
+    done = _in_process(capsys, "plan", *base[:1], "--model.hf_path", glm, "--model.family", "qwen3_moe", "--nodes", "1")
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     cut = tmp_path / "cut"  # a model whose config.json was cut short: the file and the line named, wherever read
     cut.mkdir()
     (cut / "config.json").write_text(Path(hf, "config.json").read_text()[:150])
-    done = _cli("config", "check", *base[:1], "--model.hf_path", str(cut))
+    done = _in_process(capsys, "config", "check", *base[:1], "--model.hf_path", str(cut))
     assert done.returncode == 2 and f"{cut}/config.json is not valid JSON (" in done.stderr, done.stderr
-    done = _cli("plan", *base[:1], "--hf-config", str(cut), "--nodes", "1")
+    done = _in_process(capsys, "plan", *base[:1], "--hf-config", str(cut), "--nodes", "1")
     assert done.returncode == 2 and f"{cut}/config.json is not valid JSON" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
     done = _cli("eval", *base, "--checkpoint", str(tmp_path / "nope"))
     assert done.returncode == 2 and "--checkpoint " in done.stderr and "no such file" in done.stderr, done.stderr
     assert not (tmp_path / "run").exists()
-    done = _cli("config", "check", "examples/tiny_agentic/config.yaml", "--model.hf_path", str(tmp_path / "none"))
+    done = _in_process(capsys, "config", "check", str(REPO / "examples/tiny_agentic/config.yaml"),
+                       "--model.hf_path", str(tmp_path / "none"))  # fmt: skip
     assert done.returncode == 2 and "model.hf_path=" in done.stderr, done.stderr  # a local run's model: here
-    done = _cli("config", "check", "examples/qwen3_30b/config.yaml")  # its model lives on the cluster
+    done = _in_process(
+        capsys, "config", "check", str(REPO / "examples/qwen3_30b/config.yaml")
+    )  # its model lives on the cluster
     assert done.returncode == 0 and "note: model.hf_path='/checkpoints/Qwen3-30B-A3B'" in done.stderr
 
 
