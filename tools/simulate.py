@@ -337,7 +337,11 @@ def main() -> int:
         if overrides:
             p.error(f"unknown arguments {overrides}")
         return calibrate(args)
-    return project(args)
+    try:
+        return project(args)
+    except (FileNotFoundError, ValueError) as e:  # a config error (ConfigError is one), a model config not there
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
