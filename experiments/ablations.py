@@ -37,6 +37,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.harness import (
+    PRIMARY,
     Run,
     apply_quick,
     mean_spread,
@@ -47,7 +48,7 @@ from experiments.harness import (
     save_figure,
     warm_agentic_model,
 )
-from experiments.learning_efficiency import PRIMARY, QUICK, add_agentic_args, full_windows, run_arms
+from experiments.learning_efficiency import QUICK, add_agentic_args, full_windows, run_arms
 from experiments.stats import Criterion, judge, verdict_lines
 
 CRITIC_MLPS = '"*.mlp.experts.*", "*.mlp.shared_experts.*", "*.mlp.linear_fc*", "output_layer.*"'

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.harness import (
     AGENTIC,
+    PRIMARY,
     RUNS,
     Run,
     RunSpec,
@@ -70,7 +71,7 @@ ARMS = {
 COLORS = {"running_mean": "C3", "oracle_mean": "C5", "sao": "C0", "sao_whiten": "C4", "grpo": "C1"}
 CRITIC_ARMS = ("sao", "sao_whiten")
 QUICK = {"seeds": 1, "tokens": 2500, "tool_latency": 0.1, "pretrain_samples": 16, "window": 8, "probe": 64,
-         "min_r2": 0.0}  # fmt: skip
+         "min_r2": 0.0, "eval_prompts": 16}  # fmt: skip
 
 
 def common(args: argparse.Namespace) -> tuple[str, ...]:
@@ -156,7 +157,9 @@ def summarize(label: str, runs: list[Run], window: int) -> dict[str, Any]:
                     if "value/explained_variance_first_token" in st]  # fmt: skip
         pretrain = [t for t in r.trajectories if t.get("pretrain")]
         per_seed.append({
-            "seed": r.spec.seed, "wall_s": r.wall_s, "generated_tokens": float(r.engine[-1, 1]),
+            "seed": r.spec.seed, "held_out": r.evals.get("sampled", {}).get(PRIMARY),
+            "held_out_greedy": r.evals.get("greedy", {}).get("eval/pass@1"),
+            "wall_s": r.wall_s, "generated_tokens": float(r.engine[-1, 1]),
             "policy_steps": len(r.steps), "trajectories": int(s["reward"].size),
             "pretrain_trajectories": len(pretrain),
             "pretrain_tokens": float(r.tokens_at(np.array([max((t["finished_at"] - r.start for t in pretrain),
@@ -174,9 +177,10 @@ def summarize(label: str, runs: list[Run], window: int) -> dict[str, Any]:
 
 def table(summaries: list[dict[str, Any]]) -> str:
     rows = [
-        "| arm | seeds | final reward | best reward | 2nd-half reward | policy steps | tokens (pre-training) | "
-        "wall (s) | stale dropped | EV (2nd half) | EV first token | V(first) vs success: r / gap |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| arm | seeds | held-out success (sampled) | greedy pass@1 | final reward | best reward | 2nd-half reward | "
+        "policy steps | tokens (pre-training) | wall (s) | stale dropped | EV (2nd half) | EV first token | "
+        "V(first) vs success: r / gap |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def cell(values: list[Any]) -> str:
@@ -191,7 +195,8 @@ def table(summaries: list[dict[str, Any]]) -> str:
             tracking = f"{corr} / {mean_spread([t['gap'] for t in track])}"
         stale = [f * 100 for f in col["stale_fraction"] if f is not None]
         rows.append(
-            f"| `{s['arm']}` | {len(s['seeds'])} | **{cell(col['final_reward'])}** | {cell(col['best_reward'])} | "
+            f"| `{s['arm']}` | {len(s['seeds'])} | **{cell(col['held_out'])}** | {cell(col['held_out_greedy'])} | "
+            f"{cell(col['final_reward'])} | {cell(col['best_reward'])} | "
             f"{cell(col['second_half_reward'])} | {cell(col['policy_steps'])} | "
             f"{cell(col['generated_tokens'])} ({cell(col['pretrain_tokens'])}) | "
             f"{cell(col['wall_s'])} | {cell(stale)}% | {cell(col['explained_variance'])} | "
@@ -259,6 +264,7 @@ def main() -> None:
     p.add_argument("--probe", type=int, default=256, help="initial-policy trajectories the probe measures")
     p.add_argument("--min-r2", type=float, default=0.4, help="go on only if difficulty explains this much")
     p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--eval-prompts", type=int, default=128, help="held-out prompts of the primary measure (0: none)")
     add_common_args(p, RUNS / "critic_matters", QUICK)
     args = p.parse_args()
     suffix = apply_quick(args, QUICK)
@@ -274,7 +280,7 @@ def main() -> None:
     by_arm: dict[str, list[Run]] = {label: [] for label in arms}
     for seed in range(args.seeds):
         for label, overrides in arms.items():
-            run_spec = spec(label, overrides, seed, args, token_budget=args.tokens)
+            run_spec = spec(label, overrides, seed, args, token_budget=args.tokens, eval_prompts=args.eval_prompts)
             by_arm[label].append(run_arm(run_spec, args.runs / f"{label}-s{seed}", log=lambda m: print(m, flush=True)))
     summaries = [summarize(label, runs, args.window) for label, runs in by_arm.items()]
     png = args.figures / f"critic_matters{suffix}.png"
@@ -287,7 +293,9 @@ def main() -> None:
         f"{', '.join(map(str, range(args.seeds)))}; budget {args.tokens} generated tokens per run (pre-training's "
         f"included, shown in brackets); tool latency {args.tool_latency} s per lookup; final / best reward = rolling "
         f"mean of {args.window} trained trajectories (best: over full windows), 2nd-half reward = mean over each run's "
-        "second half of its trained trajectories; EV and V(first) over that half too; mean ± std over seeds."
+        "second half of its trained trajectories; EV and V(first) over that half too; held-out success (the primary "
+        f"measure) = the checkpoint at the budget on {args.eval_prompts} held-out prompts x 4 samples at temperature "
+        "1, greedy pass@1 beside it, not charged to the budget; mean ± std over seeds."
     )
     data = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "probe": found,
             "arms": summaries}  # fmt: skip

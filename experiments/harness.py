@@ -37,6 +37,8 @@ PRETRAINING = ("--algo.value.pretrain_batch", "0", "--algo.value.pretrain_platea
 learner.trajectories_per_step), whatever the main job's config chooses; an arm's own overrides come after."""
 STYLE = REPO / "examples" / "tiny_cpu" / "config.yaml"
 RUNS = REPO / "runs" / "experiments"
+PRIMARY = "eval/success_rate"
+"""The on-policy measure (issue 47): of a run's sampled held-out evaluation, the share of samples solved."""
 RESULTS = REPO / "docs" / "results.md"
 FIGURES = REPO / "docs" / "results"
 

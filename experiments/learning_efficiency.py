@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.harness import (
     AGENTIC,
+    PRIMARY,
     RUNS,
     Run,
     RunSpec,
@@ -74,8 +75,6 @@ CRITERIA = (
     Criterion("E2", "sao", "running_mean", margin=0.0, effect=0.04),
     Criterion("E3", "grpo", "sao", margin=0.0, effect=10.0, measure="wall_s"),
 )
-PRIMARY = "eval/success_rate"
-"""Of the sampled evaluation: the share of held-out samples solved."""
 
 
 def agentic_spec(label: str, arm_overrides: tuple[str, ...], seed: int, args: argparse.Namespace) -> RunSpec:

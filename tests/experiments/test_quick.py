@@ -118,6 +118,8 @@ def test_critic_matters_quick(tmp_path: Path) -> None:
         assert by_arm[arm]["pretrain_trajectories"] > 0  # value pre-training ran and its tokens are counted
     for arm in ("running_mean", "oracle_mean", "grpo"):
         assert by_arm[arm]["pretrain_trajectories"] == 0 and by_arm[arm]["explained_variance"] is None
+    for seed in by_arm.values():  # the on-policy measure: each run's checkpoint at the budget, held out
+        assert 0.0 <= seed["held_out"] <= 1.0 and 0.0 <= seed["held_out_greedy"] <= 1.0, seed
     section = _section(results, "critic_matters_quick")
     assert "R^2 = " in section and section.count("\n| `") == 5
 
