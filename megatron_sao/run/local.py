@@ -275,7 +275,7 @@ class Supervisor(threading.Thread):
 
     def _may_restart(self, what: str, code: int | None, tail: str) -> bool:
         n = self.restarts.get(what, 0)
-        if code == 2 and self.restarts.get(what, 0) <= self.max_restarts:  # a refused config: the same at every start
+        if code == 2 and n <= self.max_restarts:  # a refused config: the same at every start
             self.restarts[what] = self.max_restarts + 1
             self.give_up(f"{what} refused its config (exit 2), which a restart cannot change; its log in {self.logs} "
                          f"ends with: {_last_line(tail)}")  # fmt: skip

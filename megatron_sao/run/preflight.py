@@ -11,6 +11,7 @@ from pathlib import Path
 
 from megatron_sao.config.model import read_hf_config_json
 from megatron_sao.config.tree import SAOConfig
+from megatron_sao.files import CHECKPOINTS_DIR
 
 
 def problems(cfg: SAOConfig, model_here: bool) -> list[str]:
@@ -58,7 +59,7 @@ def _paths(cfg: SAOConfig) -> list[str]:
         out.append(f"learner.load={cfg.learner.load!r}: no such directory; give a checkpoint directory (a run's "
                    "<run_dir>/checkpoints, holding `latest`) or leave learner.load unset")  # fmt: skip
     elif load is not None and not _checkpoint_like(load):
-        inner = " (it holds checkpoints/: point there)" if _checkpoint_like(load / "checkpoints") else ""
+        inner = f" (it holds {CHECKPOINTS_DIR}/: point there)" if _checkpoint_like(load / CHECKPOINTS_DIR) else ""
         out.append(f"learner.load={cfg.learner.load!r}: not a checkpoint{inner}; give a checkpoint directory "
                    "(metadata.json in it), or a save_dir holding `latest` or iter_* checkpoints")  # fmt: skip
     for field, value in (("rollout.env.prompts", cfg.rollout.env.prompts), ("eval.prompts", cfg.eval.prompts)):
