@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from megatron_sao.config.model import read_hf_config_json
 from megatron_sao.convert.common import (
     SUPPORTED_FLOAT_DTYPES,
     TensorInfo,
@@ -290,7 +291,7 @@ class _ShardWriter:
 
 
 def _copy_side_files(cfg_dir: Path, out: Path, dtype_name: str | None) -> None:
-    config = json.loads((cfg_dir / "config.json").read_text())
+    config = read_hf_config_json(cfg_dir)
     if dtype_name is not None:
         config["dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"] = dtype_name
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -124,7 +124,7 @@ def write_checkpoint(src: str | Path, dst: str | Path, block: tuple[int, int] = 
             else:
                 out[name] = t
     save_file(out, str(dst / "model.safetensors"))
-    config = json.loads((dst / "config.json").read_text())
+    config = read_hf_config_json(dst)
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                      "weight_block_size": list(block)}  # fmt: skip
     (dst / "config.json").write_text(json.dumps(config, indent=2))
