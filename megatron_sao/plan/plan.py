@@ -523,12 +523,9 @@ def _plan_sync(cfg: SAOConfig, hw: Hardware, plan: Plan, delta_density: float | 
     ep = max(1, cfg.rollout.sglang.ep)
     dense = total - experts
     agent_rank = dense + experts / ep
-    # the buckets go in one order: the dense ones from the source's NIC, the expert ones through as many relays as
-    # there are distinct expert sets (one per expert-parallel rank; with ep 1 every bucket is whole, from the source)
-    used = min(relays, ep)
-    wire = dense / bandwidth + experts / used / bandwidth
+    wire = dense / bandwidth + experts / relays / bandwidth  # the buckets go in one order: dense from the source
     transfer = max(agent_rank / bandwidth, wire,
-                   experts * (used - 1) / used / (hw.nvlink_gb_s * 1e9 * LINK_EFFICIENCY)) + control  # fmt: skip
+                   experts * (relays - 1) / relays / (hw.nvlink_gb_s * 1e9 * LINK_EFFICIENCY)) + control  # fmt: skip
     part = cfg.weight_sync.agent_part_mb * 2**20
     handover = (agent_rank / (H2D_GB_S * 1e9) + agent_rank / (COPY_EFFICIENCY * hw.engine_hbm_bytes_s)
                 + math.ceil(agent_rank / part) * BUCKET_OVERHEAD_S + HANDOVER_CALLS * CONTROL_CALL_S)  # fmt: skip
@@ -553,7 +550,7 @@ def _plan_sync(cfg: SAOConfig, hw: Hardware, plan: Plan, delta_density: float | 
                                                 sharded.stall_s, staging_bytes=rank, relays=relays,
                                                 host_bytes=stage)  # fmt: skip
     engine_node = agent_rank * hw.gpus_per_node
-    transfer = max(agent_rank * frac / bandwidth, wire * frac, experts * frac * (used - 1) / used / nvlink,
+    transfer = max(agent_rank * frac / bandwidth, wire * frac, experts * frac * (relays - 1) / relays / nvlink,
                    total / pp / (H2D_GB_S * 1e9)) + control  # fmt: skip
     plan.sync.paths["agent+delta"] = PushPath("agent+delta", "SGLang >= 0.5.21 + push agent", agent_rank * frac,
                                               transfer, handover, staging_bytes=min(part, agent_rank) + bucket,
