@@ -54,17 +54,10 @@ def _config(ns: argparse.Namespace, rest: list[str]) -> int:
     p.add_argument("action", choices=["show", "check"])
     p.add_argument("file", nargs="?", help="YAML or TOML config; omit for the defaults")
     args, overrides = _parse(p, rest)
-    cfg = _read_config(args.file, overrides, preflight=False)
+    # a local run starts here: its model must be here (model_here None); a cluster's may be elsewhere
+    cfg = _read_config(args.file, overrides, preflight=args.action == "check", model_here=None)
     if cfg is None:
         return 2
-    if args.action == "check":  # a local run starts here: its model must be here; a cluster's may be elsewhere
-        from megatron_sao.run.preflight import problems
-
-        found = problems(cfg, model_here=cfg.launch.mode == "local")
-        for line in found:
-            print(f"error: {line}", file=sys.stderr)
-        if found:
-            return 2
     if args.action == "show":
         print(config_to_yaml(cfg), end="")
     else:
@@ -126,7 +119,8 @@ def _agent(ns: argparse.Namespace, rest: list[str]) -> int:
     return agent_main(rest)
 
 
-def _read_config(path: str | None, overrides: list[str], preflight: bool = True, model_here: bool = False) -> Any:
+def _read_config(path: str | None, overrides: list[str], preflight: bool = True,
+                 model_here: bool | None = False) -> Any:  # fmt: skip
     """The resolved config, or None after printing the error (which names the field and the fix); with `preflight`
     also what it names that must exist (run/preflight.py: the environment, paths, the model's family; the model
     directory itself when `model_here`, else a note)."""
@@ -140,7 +134,7 @@ def _read_config(path: str | None, overrides: list[str], preflight: bool = True,
     if preflight:
         from megatron_sao.run.preflight import problems
 
-        found = problems(cfg, model_here)
+        found = problems(cfg, cfg.launch.mode == "local" if model_here is None else model_here)
         for line in found:
             print(f"error: {line}", file=sys.stderr)
         if found:
