@@ -14,6 +14,6 @@ cmd=(python -m torch.distributed.run --standalone --nproc-per-node=8 -m megatron
   --model.hf_overrides '{"num_hidden_layers": 4}' --launch.run_dir runs/qwen3_30b_debug "${args[@]}")
 if [ "$dry" = 1 ]; then
   printf '%q ' "${cmd[@]}"; echo
-  exec python -m megatron_sao config check "${cmd[@]:8}"
+  exec python -m megatron_sao config check "${cmd[8]}" --model-elsewhere "${cmd[@]:9}"  # the 8-GPU node holds the model
 fi
 exec "${cmd[@]}"

@@ -24,7 +24,7 @@ import zmq
 from megatron_sao.bus import auth, codec, protocol
 from megatron_sao.bus.admission import StartBook
 from megatron_sao.bus.schema import Trajectory
-from megatron_sao.bus.sender_io import Entry, Outbox, SenderIO
+from megatron_sao.bus.sender_io import HANDSHAKE_EVENTS, Entry, Outbox, SenderIO
 from megatron_sao.bus.spool import RESERVE_BLOCK, Spool
 from megatron_sao.config.bus import BusConfig
 
@@ -50,7 +50,7 @@ class TrajectorySender:
         self._closed = False
         self._ctx = zmq.Context()
         try:
-            sock = self._open_socket(keys)
+            sock, monitor = self._open_socket(keys)
             wake_addr = f"inproc://sao-bus-send-{epoch}-{id(self)}"
             self._wake_rx = self._ctx.socket(zmq.PAIR)
             self._wake_rx.bind(wake_addr)
@@ -63,6 +63,7 @@ class TrajectorySender:
             raise
         self._wake_lock = threading.Lock()
         self._io = SenderIO(cfg, worker_id, epoch, sock, self._outbox, self._spool)
+        self._monitor = monitor
         self._thread = threading.Thread(target=self._run, name=f"sao-bus-sender-{worker_id}", daemon=True)
         self._thread.start()
 
@@ -81,7 +82,9 @@ class TrajectorySender:
                 len(self._spool.quarantined),
             )
 
-    def _open_socket(self, keys: auth.ClientKeys | None) -> zmq.Socket:
+    def _open_socket(self, keys: auth.ClientKeys | None) -> tuple[zmq.Socket, zmq.Socket]:
+        """The DEALER connected to the receiver and its handshake monitor, attached before the connect so that a
+        handshake refused at once (a loaded machine can be slower to start the I/O thread) is heard."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection; a dead one is resent after Hello
         sock.setsockopt(zmq.SNDHWM, self.cfg.max_inflight + 64)
@@ -90,15 +93,16 @@ class TrajectorySender:
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         auth.configure_client(sock, keys)
+        monitor = sock.get_monitor_socket(HANDSHAKE_EVENTS)
         try:
             sock.connect(self.cfg.connect_address)
         except zmq.ZMQError as e:
             raise ValueError(f"bus sender cannot connect to {self.cfg.connect_address} ({e}); fix bus.connect") from e
-        return sock
+        return sock, monitor
 
     def _run(self) -> None:
         try:
-            self._io.loop(self._wake_rx)
+            self._io.loop(self._wake_rx, self._monitor)
         except Exception as e:  # not hidden: logged, stored and re-raised to the caller by send()/flush()
             log.exception("bus sender I/O thread failed")
             with self._outbox.cv:

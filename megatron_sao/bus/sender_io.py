@@ -31,7 +31,7 @@ HANDSHAKE_FAILURES = 1
 """Failed security handshakes in a row before the sender gives up: a key the receiver refuses, a server key that is
 not the receiver's or a security mechanism it does not share never heals, and libzmq does not retry the handshake of a
 connection it refused (a sender would wait forever)."""
-_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                      | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)  # fmt: skip
 
 
@@ -127,8 +127,9 @@ class SenderIO:
 
     # ---- the loop ----------------------------------------------------------------------------------------------
 
-    def loop(self, wake_rx: zmq.Socket) -> None:
-        monitor = self.sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+    def loop(self, wake_rx: zmq.Socket, monitor: zmq.Socket) -> None:
+        """Runs until Bye; `monitor` hears the socket's handshakes (attached before it connected: a refusal that comes
+        at once is not missed, and libzmq does not retry it)."""
         try:
             self._loop(wake_rx, monitor)
         finally:

@@ -142,3 +142,26 @@ def test_keys_others_could_read_or_write_are_refused_naming_the_fix(tmp_path: Pa
             start_server_auth(ctx, server)
     finally:
         ctx.term()
+
+
+def test_a_refusal_before_the_io_thread_runs_is_still_heard(keys: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The handshake can fail before the sender's I/O thread first runs (a loaded machine: CI saw it); libzmq does not
+    retry a refused handshake for long (a few times in the first second here), so a monitor attached only then would wait
+    forever. Here the thread starts only after
+    the receiver has refused the producer."""
+    from megatron_sao.bus import sender_io
+
+    server, _ = _cfgs(keys, "evil")
+    with TrajectoryReceiver(server) as r:
+        started = sender_io.SenderIO.loop
+
+        def late(self: sender_io.SenderIO, *args: object) -> None:
+            wait_for(lambda: r.metrics().get("handshake_failed", 0) >= 1, what="plain handshake refused")
+            time.sleep(2.0)  # libzmq's few retries have come and gone too
+            started(self, *args)
+
+        monkeypatch.setattr(sender_io.SenderIO, "loop", late)
+        with TrajectorySender(fast_cfg(server.bind), "plain") as s, pytest.raises(RuntimeError) as failed:
+            s.send(traj(0, worker="plain"), timeout_s=10)
+            s.flush(10)
+        assert isinstance(failed.value.__cause__, BusHandshakeError) and "bus.curve off" in str(failed.value.__cause__)
