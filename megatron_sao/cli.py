@@ -54,7 +54,7 @@ def _config(ns: argparse.Namespace, rest: list[str]) -> int:
     p.add_argument("action", choices=["show", "check"])
     p.add_argument("file", nargs="?", help="YAML or TOML config; omit for the defaults")
     p.add_argument("--model-elsewhere", action="store_true", help="check: the run starts on another machine (a "
-                   "script's --dry-run on a laptop), so a model.hf_path that is not here is a note, not an error")  # fmt: skip
+                   "script's --dry-run on a laptop): a model.hf_path that is not here is a note")  # fmt: skip
     args, overrides = _parse(p, rest)
     # a local run starts here: its model must be here (model_here None); a cluster's may be elsewhere
     here = False if args.model_elsewhere else None

@@ -39,6 +39,11 @@ class RawClient:
                 raise TimeoutError("no credit from the receiver")
             self.pump(50)
 
+    def bye(self) -> None:
+        """End the session as a producer does: the receiver frees its credit at once (without it, at its peer timeout:
+        the raw client never pings)."""
+        self.sock.send(protocol.encode(protocol.Bye(0)))
+
     def data_envelope(self) -> bytes:
         self.seq += 1
         return protocol.encode(protocol.Data(self.seq, 0, 10**9))

@@ -146,9 +146,8 @@ def test_keys_others_could_read_or_write_are_refused_naming_the_fix(tmp_path: Pa
 
 def test_a_refusal_before_the_io_thread_runs_is_still_heard(keys: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The handshake can fail before the sender's I/O thread first runs (a loaded machine: CI saw it); libzmq does not
-    retry a refused handshake for long (a few times in the first second here), so a monitor attached only then would wait
-    forever. Here the thread starts only after
-    the receiver has refused the producer."""
+    retry a refused handshake for long (a few times in the first second here), so a monitor attached only then would
+    wait forever. Here the thread starts only after the receiver has refused the producer."""
     from megatron_sao.bus import sender_io
 
     server, _ = _cfgs(keys, "evil")

@@ -17,8 +17,9 @@ from tests.bus.rawclient import RawClient
 
 LIMITS = {"max_frame_bytes": 64 << 10, "max_message_bytes": 256 << 10, "max_header_bytes": 8 << 10}
 QUIET_OK = {"peer_timeout_s": 120.0}
-"""The raw client never pings: with fast_cfg's 1 s peer timeout, a stall of a second between two hypothesis examples
-(a loaded CI machine) expired its session and every later send waited for credit in vain (CI saw the test run 600 s)."""
+"""For a raw client that never pings: with fast_cfg's 1 s peer timeout, a stall of a second between two hypothesis
+examples (a loaded CI machine) expired its session and every later send waited for credit in vain (the test ran 600 s).
+It says Bye when done, which frees its credit for the producers after it."""
 VALID = [bytes(f) for f in codec.encode(traj("fuzz-template", 200))]
 
 
@@ -78,6 +79,7 @@ def test_hostile_frames_are_refused_counted_and_valid_traffic_still_flows() -> N
         assert m["rejected"] >= sent["n"] - m["received"] > 0
         for reason in ("malformed", "frame_count", "array_size", "schema_version", "frame_too_large"):
             assert m[f"rejected_{reason}"] > 0, reason
+        raw.bye()
         with TrajectorySender(cfg, "honest") as s:
             for k in range(5):
                 s.send(traj(k, worker="honest"), timeout_s=5)
@@ -99,7 +101,7 @@ def test_frame_over_the_hard_limit_drops_the_connection_not_the_receiver() -> No
 
 
 def test_memory_stays_bounded_under_a_flood() -> None:
-    cfg = fast_cfg(free_addr(), max_inflight=16, recv_queue_size=16, **LIMITS, **QUIET_OK)
+    cfg = fast_cfg(free_addr(), max_inflight=16, recv_queue_size=16, **LIMITS)
     big = [bytes(f) for f in codec.encode(traj("flood", 4096))]  # ~53 KB, valid
     with TrajectoryReceiver(cfg) as r:
         raw = RawClient(cfg.bind)
