@@ -108,7 +108,10 @@ class TrajectorySender:
             with self._outbox.cv:
                 self._outbox.error = e
                 self._outbox.cv.notify_all()
-        finally:
+        finally:  # the thread owns its sockets from here (an unclosed one would hang close()'s Context.term)
+            with contextlib.suppress(zmq.ZMQError):
+                self._io.sock.disable_monitor()
+            self._monitor.close(linger=0)
             self._io.sock.close(linger=0)
             self._wake_rx.close(linger=0)
 

@@ -290,7 +290,7 @@ def test_spool_restart_with_a_small_window_loses_nothing(tmp_path) -> None:
 def test_send_reports_a_dead_io_thread_instead_of_hanging(monkeypatch) -> None:
     from megatron_sao.bus import sender_io
 
-    def broken_loop(self, wake) -> None:
+    def broken_loop(self, *sockets) -> None:
         raise OSError("simulated socket failure")
 
     monkeypatch.setattr(sender_io.SenderIO, "loop", broken_loop)
