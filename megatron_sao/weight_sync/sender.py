@@ -707,11 +707,14 @@ class _PendingSend:
             self.sender.recycle(buffers)
 
     def publish_landing(self, order: PushOrder) -> None:
-        """(Its own thread.) Publish "landed" to the push order the moment the broadcast completed, so the next
-        stage's bucket is announced without waiting for this source to come back to this bucket; a failure is
-        published by whoever sees it first (this thread, or the source's finish)."""
+        """(Its own thread.) Publish "landed" to the push order once every engine answered for the bucket, so the
+        next stage's bucket is announced without waiting for this source to come back to this bucket; a failure is
+        published by whoever sees it first (this thread, or the source's finish). Not at the broadcast's completion:
+        a source's broadcast completes once its bytes left (a small bucket before any engine joined it), and with
+        more than two receivers gloo's and NCCL's broadcasts forward through the receivers, so an engine that took
+        the next stage's bucket first would wait on a peer still forwarding this one, which waits on it."""
         try:
-            self.landed()
+            self.wait()
         except WeightSyncError as e:
             order.publish(self.bucket.index, f"failed: {e}")
             return

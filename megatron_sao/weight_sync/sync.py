@@ -20,6 +20,7 @@ source push() returns {} (run/learn.py shares rank 0's metrics).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -43,6 +44,11 @@ from megatron_sao.weight_sync.relay import Relay, cancel_key
 from megatron_sao.weight_sync.sender import Bases, DeltaPlan, GroupSpec, Hosted, PushOrder, StageSender, WeightSyncError
 
 log = logging.getLogger(__name__)
+
+_PUSH_IDS = itertools.count(1)
+"""Every push of this process, whichever WeightSync makes it, takes the next id: every rank makes the same pushes in
+the same order, so the ids agree across ranks, and no push reads another's keys in the learner's store (two syncs
+that each counted from 1 shared their push order's keys, and the second's stages ran out of order)."""
 
 SAMPLE_ROWS = 8
 """Rows of each weight_sync.verify_tensors tensor kept to compare with what the engines show."""
@@ -117,7 +123,8 @@ class WeightSync:
             self.engines = EngineSet(cfg, engine_urls, self.backend, len(self.plan.stages), updates)
         self.sender: StageSender | None = None
         self.peak_bytes = 0  # this rank's largest push so far (MemoryMeter)
-        self.pushes = 0  # pushes begun, counted alike on every rank (names each push's order in the store)
+        self.pushes = 0  # pushes begun by this sync
+        self.push_id = 0  # the latest push's id, the same on every rank (names its keys in the store: _PUSH_IDS)
         self.order: PushOrder | None = None  # the last push's order across stages (its keys go at the next)
         # deltas: a stage source's bases, what it last sent per channel (weight_sync.delta; None until a push keeps)
         self.bases: Bases | None = None
@@ -131,6 +138,7 @@ class WeightSync:
         """Collective over the learner's world: put `version`'s weights on the engines; rank 0's metrics."""
         t0 = time.monotonic()
         self.pushes += 1
+        self.push_id = next(_PUSH_IDS)
         decision: Any = None
         if self.engines is not None:
             try:
@@ -270,9 +278,9 @@ class WeightSync:
             if self.order is not None:
                 self.order.cleanup()
             counts = [len(st.buckets) for st in self.plan.stages]
-            self.order = sender.order = PushOrder(counts, self.stage.stage, self.pushes, self.cfg.bucket_timeout_s)
+            self.order = sender.order = PushOrder(counts, self.stage.stage, self.push_id, self.cfg.bucket_timeout_s)
         if self.relay is not None:
-            self.relay.start(self.pushes)
+            self.relay.start(self.push_id)
         try:
             self.gather.run(sender.start if sender is not None else None, on_packed if sender is not None else None)
         except WeightSyncError as e:
@@ -352,7 +360,7 @@ class WeightSync:
         lands: its relay stops waiting for it)."""
         from torch.distributed.distributed_c10d import _get_default_store
 
-        key = cancel_key(self.pushes, self.stage.stage)
+        key = cancel_key(self.push_id, self.stage.stage)
         if failed:
             _get_default_store().set(key, "1")
         sender.stop_relays()

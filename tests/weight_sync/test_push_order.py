@@ -65,3 +65,32 @@ def test_one_stage_needs_no_store() -> None:
     alone.wait_turn(3)
     alone.publish(3, "landed")
     alone.finish(None)
+
+
+def test_a_bucket_lands_for_the_order_only_once_every_engine_answered() -> None:
+    """The source's broadcast completes once its bytes left (a small bucket before any engine joined it), and with
+    more than two receivers gloo's and NCCL's broadcasts forward through them: were the next stage's bucket announced
+    then, an engine could take it first and wait on a peer still forwarding this one, which waits on it. So the
+    order hears "landed" only when every engine answered for the bucket."""
+    from types import SimpleNamespace
+
+    from megatron_sao.weight_sync.sender import _PendingSend
+
+    store = _store()
+    order, after = PushOrder([1, 1], 0, 3, 10.0, store=store), PushOrder([1, 1], 1, 3, 10.0, store=store)
+    answered = threading.Event()
+    answers: dict[str, object] = {}
+    engine = threading.Thread(target=lambda: (answered.wait(10), answers.update({"http://e": {"success": True}})))
+    engine.start()
+    done = SimpleNamespace(is_completed=lambda: True, wait=lambda: None)  # the source's broadcast: completed
+    sender = SimpleNamespace(stage=0, clients={"http://e": None}, broken=False, meter=None, recycle=lambda b: None,
+                             spec=SimpleNamespace(bucket_timeout_s=10.0))  # fmt: skip
+    pending = _PendingSend(sender, SimpleNamespace(index=0, slots=[]), [engine], answers, [done],  # type: ignore[arg-type]
+                           time.monotonic() + 10.0)  # fmt: skip
+    publisher = threading.Thread(target=pending.publish_landing, args=(order,))
+    publisher.start()
+    time.sleep(0.3)
+    assert not store.check(["weight_sync/order/3/0/0"]), "landed before the engine answered"
+    answered.set()
+    publisher.join(10)
+    after.wait_turn(0)  # the next stage's bucket goes now
