@@ -515,15 +515,20 @@ def _plan_sync(cfg: SAOConfig, hw: Hardware, plan: Plan, delta_density: float | 
     plan.sync.paths["sharded"] = PushPath("sharded", "embedded engine", rank, transfer, commit, staging_bytes=rank,
                                           relays=relays)  # fmt: skip
     # the push agent beside SGLang (engines/agent/, "hf" handover): each rank takes the dense tensors whole and only the
-    # experts its expert-parallel rank stores; the learner sends one buffer per distinct set of blocks (one per
-    # expert-parallel rank), so the dense bytes leave once per set. The agent receives beside the engine, which
-    # decodes meanwhile; it stops for the handover: its slice copied to the GPU (H2D_GB_S) and loaded into the
-    # parameters (a device copy), one call per part of weight_sync.agent_part_mb, and the calls around it.
+    # experts its expert-parallel rank stores. A dense bucket (every rank takes it whole) leaves the source once, over
+    # the stage's whole group; an expert bucket as one buffer per expert-parallel rank, through the relays
+    # (weight_sync/sender.py). The agent receives beside the engine, which decodes meanwhile; it stops for the
+    # handover: its slice copied to the GPU (H2D_GB_S) and loaded into the parameters (a device copy), one call per
+    # part of weight_sync.agent_part_mb, and the calls around it.
     ep = max(1, cfg.rollout.sglang.ep)
-    agent_rank = (total - experts) + experts / ep
-    sent = (total - experts) * ep + experts
-    transfer = max(agent_rank / bandwidth, sent / relays / bandwidth,
-                   sent * (relays - 1) / relays / (hw.nvlink_gb_s * 1e9 * LINK_EFFICIENCY)) + control  # fmt: skip
+    dense = total - experts
+    agent_rank = dense + experts / ep
+    # the buckets go in one order: the dense ones from the source's NIC, the expert ones through as many relays as
+    # there are distinct expert sets (one per expert-parallel rank; with ep 1 every bucket is whole, from the source)
+    used = min(relays, ep)
+    wire = dense / bandwidth + experts / used / bandwidth
+    transfer = max(agent_rank / bandwidth, wire,
+                   experts * (used - 1) / used / (hw.nvlink_gb_s * 1e9 * LINK_EFFICIENCY)) + control  # fmt: skip
     part = cfg.weight_sync.agent_part_mb * 2**20
     handover = (agent_rank / (H2D_GB_S * 1e9) + agent_rank / (COPY_EFFICIENCY * hw.engine_hbm_bytes_s)
                 + math.ceil(agent_rank / part) * BUCKET_OVERHEAD_S + HANDOVER_CALLS * CONTROL_CALL_S)  # fmt: skip
@@ -548,12 +553,12 @@ def _plan_sync(cfg: SAOConfig, hw: Hardware, plan: Plan, delta_density: float | 
                                                 sharded.stall_s, staging_bytes=rank, relays=relays,
                                                 host_bytes=stage)  # fmt: skip
     engine_node = agent_rank * hw.gpus_per_node
-    transfer = max(agent_rank * frac / bandwidth, sent * frac / relays / bandwidth, sent * frac * (relays - 1) /
-                   relays / nvlink, sent / pp / (H2D_GB_S * 1e9)) + control  # fmt: skip
+    transfer = max(agent_rank * frac / bandwidth, wire * frac, experts * frac * (used - 1) / used / nvlink,
+                   total / pp / (H2D_GB_S * 1e9)) + control  # fmt: skip
     plan.sync.paths["agent+delta"] = PushPath("agent+delta", "SGLang >= 0.5.21 + push agent", agent_rank * frac,
                                               transfer, handover, staging_bytes=min(part, agent_rank) + bucket,
                                               relays=relays, waits_for_stall=True,
-                                              host_bytes=max(sent / pp, engine_node))  # fmt: skip
+                                              host_bytes=max(total / pp, engine_node))  # fmt: skip
     if cfg.weight_sync.agent:
         plan.sync.taken = "agent+delta" if cfg.weight_sync.delta != "full" else "agent"
     elif cfg.weight_sync.delta == "delta":

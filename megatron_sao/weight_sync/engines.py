@@ -72,6 +72,7 @@ class StageReport:
     tensors: int = 0
     bytes: int = 0
     relayed: int = 0  # of `bytes`, what relays broadcast (a shard-aware push's block groups not rooted here)
+    whole: int = 0  # of `bytes`, a shard-aware push's buckets every engine rank takes whole (sent once, flattened)
     full_bytes: int = 0  # what `bytes` would have been without deltas
     delta_buckets: int = 0  # buckets that travelled as deltas
     units: int = 0  # deltas: units compared against a base (the bucket's smallest itemsize each)

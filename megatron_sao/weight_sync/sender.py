@@ -210,6 +210,11 @@ class GroupSpec:
         return self.master_port + stage + self.num_stages * (self.attempt % 64)
 
 
+WHOLE_PART = ("whole",)
+"""The bases' name for a shard-aware push's bucket that every engine rank takes whole (sent as one flattened
+bucket): its base is the bucket itself, whatever the block groups."""
+
+
 def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
@@ -386,6 +391,7 @@ class StageSender:
             "tensors": 0,
             "bytes": 0,
             "relayed": 0,
+            "whole": 0,
             "full_bytes": 0,
             "delta_buckets": 0,
             "units": 0,
@@ -472,10 +478,15 @@ class StageSender:
         # tensors fails here, with nobody left waiting for bytes
         sends = self._rank_buffers(bucket, buffer) if fmt == SHARDED_BUCKET else []
         held: list[torch.Tensor] = []
-        if fmt == SHARDED_BUCKET:
+        keys = None
+        if fmt == SHARDED_BUCKET and len({id(b) for _, b in sends}) == 1:
+            # every engine rank takes this bucket's tensors whole (a push agent's dense tensors, replicated norms):
+            # once over the stage's whole group as a flattened bucket, not once per block group
+            fmt, held, keys = FLATTENED, [sends[0][1]], [WHOLE_PART]
+        elif fmt == SHARDED_BUCKET:
             of_rank = dict(sends)
             held = [of_rank[ranks[0]] for ranks in self.spec.block_groups or []]
-        wire, header = self._encode(bucket, held if fmt == SHARDED_BUCKET else [buffer])
+        wire, header = self._encode(bucket, held or [buffer], keys)
         calls = {
             url: (lambda c=c: c.update_weights_from_distributed(
                 names, dtypes, shapes, group_name=self.group_name, flush_cache=False, load_format=fmt,
@@ -503,26 +514,31 @@ class StageSender:
             tensors = wire if fmt == FLATTENED else [flat_bucket.view(buffer, s) for s in bucket.slots]
             works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in tensors]
             sent = sum(t.nbytes for t in tensors)
+            if self.spec.load_format == SHARDED_BUCKET:  # a bucket every rank takes whole, sent once (above)
+                self.stats["whole"] += sent
             for url, per_rank in self.rank_bytes.items():
                 self.rank_bytes[url] = [n + sent for n in per_rank]
         self.stats["buckets"] += 1
         self.stats["tensors"] += len(names)
         self.stats["bytes"] += sent
-        self.stats["full_bytes"] += sum(t.nbytes for t in held) if fmt == SHARDED_BUCKET else buffer.nbytes
+        self.stats["full_bytes"] += sum(t.nbytes for t in held) if held else buffer.nbytes
         pending = _PendingSend(self, bucket, threads, box, works, time.monotonic() + timeout, held, wire)
         if self.order is not None and self.order.store is not None:
             threading.Thread(target=pending.publish_landing, args=(self.order,), daemon=True).start()
         return pending
 
-    def _encode(self, bucket: Bucket, parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], DeltaHeader | None]:
+    def _encode(self, bucket: Bucket, parts: list[torch.Tensor],
+                keys: list[Any] | None = None) -> tuple[list[torch.Tensor], DeltaHeader | None]:  # fmt: skip
         """What travels for each block part (`parts`: the full bucket, or one buffer per block group) and the
         request's delta field: the parts themselves without deltas; with them, each part as a delta against its base
-        when the push has one (the smallest encoding), noted in the bases as pending."""
+        when the push has one (the smallest encoding), noted in the bases as pending. `keys`: the parts' names in
+        the bases (default: () for a full bucket, each block group's blocks for a sharded one)."""
         if self.delta is None or self.bases is None:
             return parts, None
         unit = deltas.bucket_unit(bucket.slots)
-        keys = [()] if len(parts) == 1 and self.spec.block_groups is None else [
-            self.spec.members_key(ranks[0]) for ranks in self.spec.block_groups or []]  # fmt: skip
+        if keys is None:
+            keys = [()] if len(parts) == 1 and self.spec.block_groups is None else [
+                self.spec.members_key(ranks[0]) for ranks in self.spec.block_groups or []]  # fmt: skip
         encoded = [self.bases.encode((bucket.index, k), p, unit, self.delta.base) for k, p in zip(keys, parts)]
         compared = [(e, p) for e, p in zip(encoded, parts) if e.encoding != "full" or e.count]  # had a base
         self.stats["units"] += sum(p.nbytes // unit for _, p in compared)

@@ -306,7 +306,7 @@ class WeightSync:
         report.peak_bytes, report.seconds = self.gather.meter.peak, time.monotonic() - t0
         if sender is not None:
             report.touched, report.broken = sorted(sender.touched), sender.broken
-            for k, v in sender.stats.items():  # buckets, tensors, bytes, relayed, full_bytes, delta_buckets
+            for k, v in sender.stats.items():  # buckets, tensors, bytes, relayed, whole, full_bytes, ...
                 setattr(report, k, v)
             report.base_bytes = self.bases.nbytes if self.bases is not None else 0
             report.rank_bytes, report.rank_checksums = sender.rank_bytes, sender.rank_checksums or {}
@@ -346,6 +346,7 @@ class WeightSync:
             "sync/delta_density": sum(r.changed for r in reports) / max(1, sum(r.units for r in reports)),
             "sync/delta_base_mb": max(r.base_bytes for r in reports) / 2**20,  # a source's bases (weight_sync.delta)
             "sync/relayed_bytes": float(sum(r.relayed for r in reports)),
+            "sync/whole_bytes": float(sum(r.whole for r in reports)),  # shard-aware: buckets every rank takes whole
             "sync/stage_seconds_max": max(r.seconds for r in reports),
             "sync/order_wait_max": max(r.order_wait_s for r in reports),
             "sync/peak_mb": max(r.peak_bytes for r in reports) / 2**20,
