@@ -250,7 +250,8 @@ def project(args: argparse.Namespace) -> int:
             per_step = t if arm == "sao" else batch
             sc = Scenario(arm, engines=engines, concurrency=in_flight, trajectories_per_step=per_step,
                           steps=max(4, args.trajectories // per_step), group=1 if arm == "sao" else args.group,
-                          max_staleness=cfg.bus.max_staleness, seed=0)  # fmt: skip
+                          max_staleness=cfg.bus.max_staleness, seed=0,
+                          admission=cfg.bus.admission and cfg.bus.max_staleness is not None)  # fmt: skip
             out[arm] = simulate(sc, engine, learner, source(tail)).summary()
         return out
 

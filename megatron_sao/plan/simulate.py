@@ -132,6 +132,9 @@ class Scenario:
     group: int = 1
     """grpo arms: samples per prompt (a batch is trajectories_per_step / group prompts)."""
     seed: int = 0
+    admission: bool = False
+    """sao: bus.admission, rollout admission (bus/admission.py): an episode starts only while the rule grants it, so
+    none is generated to be dropped as stale; False: episodes start freely and the stale are dropped at the take."""
 
 
 @dataclass
@@ -250,11 +253,13 @@ class _Simulation:
         self.batches_launched = 0
         self.stopping = False
         self.end = 0.0
+        self.open: list[int] = []  # sao: the start version of each episode started and not yet taken by a step
+        self.wanting = 0  # sao with admission: starts the rollout wants (a free slot) that the rule has not granted
+        self.taken_at_version = 0  # trajectories a step took at the current version (admission's c)
 
     def run(self) -> Result:
         if self.sc.arm == "sao":
-            for _ in range(self.sc.concurrency):
-                self.start_episode(self.source.sample(self.rng)[0])
+            self.want_starts(self.sc.concurrency)
         else:
             self.launch_batch()
         handlers = {"engine": self.on_engine, "tool": self.submit_turn, "admit": self.begin_turn,
@@ -305,7 +310,27 @@ class _Simulation:
     def start_episode(self, episode: Episode) -> None:
         e = min(range(self.sc.engines), key=lambda i: (self.engines[i].assigned, i))
         self.engines[e].assigned += 1
+        if self.sc.arm == "sao":
+            self.open.append(self.engine_version)
         self.submit_turn(_Request(episode, e, self.engine_version, self.now))
+
+    def want_starts(self, n: int = 0) -> None:
+        """sao: `n` more slots want an episode; start every one the admission rule grants now (all without it)."""
+        self.wanting += n
+        while self.wanting and not self.stopping and self.admitted():
+            self.wanting -= 1
+            self.start_episode(self.source.sample(self.rng)[0])
+
+    def admitted(self) -> bool:
+        """bus/admission.py's rule for one more start: O + N (V - v_min) + min(c, N) < (B + 1) N, with O the episodes
+        started and not yet taken, V the version the next step trains at, v_min the lowest start version among them,
+        the engines' version now and V, c what a step took at V."""
+        sc = self.sc
+        if not sc.admission:
+            return True
+        n, v = sc.trajectories_per_step, self.version
+        v_min = min([*self.open, self.engine_version, v])
+        return len(self.open) + n * (v - v_min) + min(self.taken_at_version, n) < (sc.max_staleness + 1) * n
 
     def on_engine(self, payload: tuple[int, int]) -> None:
         """An engine's next turn end: finished turns go to their tool call, finished episodes to the learner."""
@@ -330,8 +355,7 @@ class _Simulation:
         self.engines[r.engine].assigned -= 1
         if self.sc.arm == "sao":
             self.finished.append(r)
-            if not self.stopping:
-                self.start_episode(self.source.sample(self.rng)[0])
+            self.want_starts(1)
             self.try_train()
             return
         self.batch_buffer.append(r)
@@ -372,12 +396,19 @@ class _Simulation:
             return
         if self.sc.arm == "sao":
             fresh = [r for r in self.finished if self.version - r.version <= self.sc.max_staleness]
+            kept = {id(r) for r in fresh}
+            for r in self.finished:
+                if id(r) not in kept:
+                    self.open.remove(r.version)
             self.result.dropped += len(self.finished) - len(fresh)
             self.finished.clear()
             self.finished.extend(fresh)
             if len(self.finished) < self.sc.trajectories_per_step:
                 return
             batch = [self.finished.popleft() for _ in range(self.sc.trajectories_per_step)]
+            for r in batch:
+                self.open.remove(r.version)
+            self.taken_at_version = len(batch)
         else:
             if not self.batches_ready:
                 return
@@ -401,6 +432,7 @@ class _Simulation:
     def on_trained(self, batch: list[_Request]) -> None:
         """A step done: the run ends after sc.steps; otherwise the push (engines paused) when one is due."""
         self.version += 1
+        self.taken_at_version = 0
         self.steps_done += 1
         self.result.trained += len(batch)
         self.end = self.now
@@ -409,6 +441,7 @@ class _Simulation:
             return
         if self.sc.arm == "sao" and self.steps_done % self.learner.push_every:  # the grpo arms push every step
             self.learner_free = True
+            self.want_starts()
             self.try_train()
             return
         self.result.learner_busy_s += self.learner.push_s
@@ -424,6 +457,8 @@ class _Simulation:
         self.learner_free = True
         if self.sc.arm != "sao":
             self.maybe_launch()
+        else:
+            self.want_starts()
         self.try_train()
 
 

@@ -129,3 +129,17 @@ def test_a_critic_taking_batches_ahead_shortens_the_steps_only_while_a_batch_is_
     learner = LearnerModel(step_s=lambda arm, n, tokens: 0.05, push_s=0.0, ahead_step_s=lambda arm, n, tokens: 0.01)
     r = simulate(one_batch, FLAT, learner, EpisodeSource(ONE_TURN))
     assert r.ahead_steps == 0 and r.window_s == pytest.approx(4 * 1.0 + 0.05)  # each step ends before the next batch
+
+
+def test_admission_bounds_staleness_without_dropping_and_wastes_no_generation() -> None:
+    """bus.admission in the simulator: the same streaming run as above with admission starts only what the rule
+    grants, so nothing is dropped, staleness stays within the bound, and every generated episode is trained or
+    still open at the end (without admission 64 in flight at 4 per step age out and are dropped)."""
+    records = tuple(dict(prompt_id=f"p{i}", turns=1 + i % 6, tokens=20 + 10 * i, action_tokens=10 + 5 * (i % 6),
+                         tool_s=float(i % 6)) for i in range(30))  # fmt: skip
+    fast = LearnerModel(step_s=lambda arm, n, tokens: 0.05, push_s=0.01)
+    sc = Scenario("sao", engines=2, concurrency=64, trajectories_per_step=4, steps=50, max_staleness=2)
+    free = simulate(sc, FLAT, fast, EpisodeSource(records))
+    gated = simulate(Scenario(**{**sc.__dict__, "admission": True}), FLAT, fast, EpisodeSource(records))
+    assert free.dropped > 0
+    assert gated.trained == 200 and gated.dropped == 0 and max(gated.staleness) <= 2
