@@ -130,9 +130,6 @@ class SenderIO:
     def loop(self, wake_rx: zmq.Socket, monitor: zmq.Socket) -> None:
         """Runs until Bye; `monitor` hears the socket's handshakes (attached before it connected: a refusal that comes
         at once is not missed, and libzmq does not retry it); the caller closes the sockets."""
-        self._loop(wake_rx, monitor)
-
-    def _loop(self, wake_rx: zmq.Socket, monitor: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(wake_rx, zmq.POLLIN)

@@ -39,6 +39,7 @@ def test_a_foreign_sender_gets_nothing_trained_with_the_default_config(tiny_hf_d
                     intruder.send(traj(i, worker="intruder"), timeout_s=0.5)  # made-up trajectories, reward 1.0
                 except TimeoutError:
                     continue  # never admitted: no credit ever comes
+            intruder.flush(30)  # the sends may all be queued before the refusal arrives: it is heard while waiting
         except RuntimeError as failed:  # the producer hears the refused handshake (issue 46) instead of waiting
             refused_at_send = failed.__cause__
         finally:
