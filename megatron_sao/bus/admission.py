@@ -32,6 +32,12 @@ from dataclasses import dataclass
 from megatron_sao.bus.protocol import Starts
 
 
+def room(bound: int, per_step: int, outstanding: int, version: int, v_min: int, taken: int) -> int:
+    """The rule above: how many more starts it allows, (B + 1) N - O - N (V - v_min) - min(c, N). Also what
+    plan/simulate.py applies to its modelled runs."""
+    return (bound + 1) * per_step - outstanding - per_step * (version - v_min) - min(taken, per_step)
+
+
 @dataclass
 class _Producer:
     rid: bytes  # the connection its grants go to
@@ -73,9 +79,8 @@ class AdmissionBook:
         versions = [version] + [p.report.oldest for p in self.producers.values() if p.report.oldest >= 0]
         if queued_oldest is not None:
             versions.append(queued_oldest)
-        v_min = min(versions)
-        counted = min(taken[1], self.per_step) if taken[0] == version else 0
-        return (self.bound + 1) * self.per_step - outstanding - self.per_step * (version - v_min) - counted
+        counted = taken[1] if taken[0] == version else 0
+        return room(self.bound, self.per_step, outstanding, version, min(versions), counted)
 
     def grant(self, queued: int, queued_oldest: int | None, taken: tuple[int, int]) -> list[tuple[str, int]]:
         """Grant what the rule allows, one start at a time round-robin over the producers that want some; returns

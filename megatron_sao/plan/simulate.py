@@ -328,9 +328,11 @@ class _Simulation:
         sc = self.sc
         if not sc.admission:
             return True
-        n, v = sc.trajectories_per_step, self.version
-        v_min = min([*self.open, self.engine_version, v])
-        return len(self.open) + n * (v - v_min) + min(self.taken_at_version, n) < (sc.max_staleness + 1) * n
+        from megatron_sao.bus.admission import room
+
+        v_min = min([*self.open, self.engine_version, self.version])
+        return room(sc.max_staleness, sc.trajectories_per_step, len(self.open), self.version, v_min,
+                    self.taken_at_version) > 0  # fmt: skip
 
     def on_engine(self, payload: tuple[int, int]) -> None:
         """An engine's next turn end: finished turns go to their tool call, finished episodes to the learner."""
